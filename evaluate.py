@@ -1,0 +1,116 @@
+"""Held-out evaluation: greedy answers to held-out prompts, exact match against the reference answers.
+
+    python evaluate.py --adapter outputs/smollm2-dates-lora          # base + adapter vs base, on data/dates test
+    python evaluate.py --model_name_or_path models/SmolLM2-135M-Instruct --num_prompts 16
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class HeldOut:
+    prompts: list  # chat message lists (conversational data) or strings
+    references: list[str]
+
+
+def heldout_examples(dataset, num_prompts: int) -> HeldOut | None:
+    """Prompt = everything before the final answer; reference = the final answer. None for plain-text data."""
+    rows = dataset.select(range(min(num_prompts, len(dataset))))
+    prompts, references = [], []
+    for row in rows:
+        if "messages" in row:
+            messages = row["messages"]
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            prompts.append(messages[:last])
+            references.append(messages[last]["content"])
+        elif "prompt" in row and "completion" in row:
+            prompts.append(row["prompt"])
+            completion = row["completion"]
+            references.append(completion[-1]["content"] if isinstance(completion, list) else completion)
+        else:
+            return None
+    return HeldOut(prompts, references)
+
+
+def normalize(answer: str) -> str:
+    return " ".join(answer.strip().split()).rstrip(".").lower()
+
+
+def exact_match(predictions: list[str], references: list[str]) -> float:
+    return sum(normalize(p) == normalize(r) for p, r in zip(predictions, references)) / max(len(references), 1)
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, prompts: list, max_new_tokens: int = 32, batch_size: int = 32) -> list[str]:
+    texts = [
+        tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) if isinstance(p, list) else p
+        for p in prompts
+    ]
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues on the right
+    was_training = model.training
+    model.eval()
+    answers = []
+    try:
+        for i in range(0, len(texts), batch_size):
+            batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            batch = batch.to(model.device)
+            output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            answers += tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+    return [a.strip() for a in answers]
+
+
+def evaluate_exact_match(model, tokenizer, heldout: HeldOut, max_new_tokens: int) -> tuple[float, list[str]]:
+    predictions = generate_answers(model, tokenizer, heldout.prompts, max_new_tokens)
+    return exact_match(predictions, heldout.references), predictions
+
+
+def main() -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from arguments import DEFAULT_DATASET
+    from utils import DEFAULT_MODEL_DIR, convert_default_model, load_raw_datasets
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_name_or_path", default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--adapter", help="a PEFT adapter folder; reported side by side with the base model")
+    parser.add_argument("--dataset_name", default=DEFAULT_DATASET)
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--num_prompts", type=int, default=64)
+    parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--show", type=int, default=5, help="generations printed side by side with the reference")
+    args = parser.parse_args()
+
+    if args.model_name_or_path == DEFAULT_MODEL_DIR:
+        convert_default_model()
+    raw = load_raw_datasets(argparse.Namespace(dataset_name=args.dataset_name, split_names=[args.split]))
+    heldout = heldout_examples(raw[args.split], args.num_prompts)
+    if heldout is None:
+        raise SystemExit(f"error: the {args.split} split is plain text; exact match needs chat or prompt/completion data.")
+    tokenizer = AutoTokenizer.from_pretrained(args.adapter or args.model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))  # the adapter's template added tokens
+    results = {"base": evaluate_exact_match(model, tokenizer, heldout, args.max_new_tokens)}
+    if args.adapter:
+        model = PeftModel.from_pretrained(model, args.adapter)
+        results["adapter"] = evaluate_exact_match(model, tokenizer, heldout, args.max_new_tokens)
+    for name, (score, _) in results.items():
+        print(f"{name:8s} exact match {score:.1%} on {len(heldout.references)} {args.split} prompts")
+    for i in range(min(args.show, len(heldout.references))):
+        print(f"\nreference: {heldout.references[i]}")
+        for name, (_, predictions) in results.items():
+            print(f"{name:9s}: {predictions[i]}")
+
+
+if __name__ == "__main__":
+    main()

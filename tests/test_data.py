@@ -1,0 +1,185 @@
+"""Data: exact token ids and loss masks for every format, and packing that keeps examples independent."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from utils import IGNORE_INDEX, build_datasets, build_tokenizer, detect_format, load_raw_datasets, tokenize_example
+
+CHAT = [
+    {"role": "user", "content": "Convert this date to ISO format (YYYY-MM-DD): March 5, 2021"},
+    {"role": "assistant", "content": "2021-03-05"},
+]
+
+
+def supervised(example) -> list[int]:
+    return [t for t, label in zip(example["input_ids"], example["labels"]) if label != IGNORE_INDEX]
+
+
+def chat_example(tokenizer, messages):
+    return tokenize_example({"messages": messages}, tokenizer, "conversational", "text", False, True)
+
+
+def test_chat_ids_match_the_template_and_only_the_answer_is_supervised(smol_tokenizer):
+    tok = smol_tokenizer
+    example = chat_example(tok, CHAT)
+    assert example["input_ids"] == tok.apply_chat_template(CHAT, tokenize=True, return_dict=False)
+    prompt = tok.apply_chat_template(CHAT[:1], tokenize=True, add_generation_prompt=True, return_dict=False)
+    answer = tok("2021-03-05<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert answer[-1] == tok.convert_tokens_to_ids("<|im_end|>") == 2
+    trailing = len(example["input_ids"]) - len(prompt) - len(answer)
+    assert trailing == 1  # the template's newline after <|im_end|> is not the model's to learn
+    assert example["labels"] == [IGNORE_INDEX] * len(prompt) + answer + [IGNORE_INDEX]
+
+
+def test_every_assistant_turn_is_supervised_and_nothing_else(smol_tokenizer):
+    messages = [
+        {"role": "system", "content": "Answer tersely."},
+        {"role": "user", "content": "One?"},
+        {"role": "assistant", "content": "1"},
+        {"role": "user", "content": "Two?"},
+        {"role": "assistant", "content": "2"},
+    ]
+    example = chat_example(smol_tokenizer, messages)
+    assert smol_tokenizer.decode(supervised(example)) == "1<|im_end|>2<|im_end|>"
+
+
+@pytest.mark.parametrize("template, expected", [("chatml", "2021-03-05<|im_end|>"), ("zephyr", "2021-03-05<|im_end|>")])
+def test_replacement_templates_supervise_the_answer_and_end_of_turn(smol_dir, template, expected):
+    tok, added = build_tokenizer(argparse.Namespace(model_name_or_path=str(smol_dir), chat_template_format=template))
+    assert added == []  # SmolLM2 already has the ChatML tokens; nothing is added, no `<s>` appears
+    assert "<s>" not in tok.apply_chat_template(CHAT, tokenize=False)
+    assert tok.decode(supervised(chat_example(tok, CHAT))) == expected
+    if template == "zephyr":
+        assert tok.apply_chat_template(CHAT, tokenize=False).startswith("<|user|>\n")
+
+
+def test_prompt_completion_supervises_the_completion_and_eos(smol_tokenizer):
+    tok = smol_tokenizer
+    example = tokenize_example({"prompt": "Q: 2+2?\nA:", "completion": " 4"}, tok, "prompt_completion", "text",
+                               False, True)
+    assert example["input_ids"] == tok("Q: 2+2?\nA: 4" + tok.eos_token, add_special_tokens=False)["input_ids"]
+    assert tok.decode(supervised(example)) == " 4" + tok.eos_token
+
+
+def test_conversational_prompt_completion_supervises_only_the_completion(smol_tokenizer):
+    example = tokenize_example({"prompt": CHAT[:1], "completion": CHAT[1:]}, smol_tokenizer, "prompt_completion",
+                               "text", False, True)
+    assert example["input_ids"] == chat_example(smol_tokenizer, CHAT)["input_ids"]
+    assert smol_tokenizer.decode(supervised(example)) == "2021-03-05<|im_end|>"
+
+
+@pytest.mark.parametrize("append_eos", [True, False])
+def test_text_is_fully_supervised_and_eos_follows_the_flag(smol_tokenizer, append_eos):
+    tok = smol_tokenizer
+    example = tokenize_example({"text": "hello world"}, tok, "text", "text", False, append_eos)
+    expected = "hello world" + (tok.eos_token if append_eos else "")
+    assert example["input_ids"] == tok(expected, add_special_tokens=False)["input_ids"]
+    assert example["labels"] == example["input_ids"]
+
+
+def test_add_special_tokens_adds_what_the_tokenizer_adds(smol_tokenizer):
+    tok = smol_tokenizer
+    example = tokenize_example({"text": "hello"}, tok, "text", "text", True, True)
+    assert example["input_ids"] == tok("hello" + tok.eos_token, add_special_tokens=True)["input_ids"]
+
+
+@pytest.mark.parametrize("columns, expected", [
+    (["messages"], "conversational"), (["prompt", "completion"], "prompt_completion"), (["text", "id"], "text"),
+])
+def test_format_detection(columns, expected):
+    assert detect_format(columns, "text") == expected
+
+
+def test_missing_column_names_the_columns_and_the_flag():
+    with pytest.raises(ValueError, match=r"columns \['question', 'answer'\].*--dataset_text_field"):
+        detect_format(["question", "answer"], "text")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("layout", ["folder", "file", "csv", "parquet", "saved"])
+def test_every_local_source_loads(tmp_path, layout):
+    from datasets import Dataset, DatasetDict
+
+    rows = [{"text": f"example {i}"} for i in range(4)]
+    splits = "train,test"
+    if layout == "folder":
+        write_jsonl(tmp_path / "train.jsonl", rows)
+        write_jsonl(tmp_path / "test.jsonl", rows[:2])
+        source = tmp_path
+    elif layout == "file":
+        write_jsonl(tmp_path / "data.jsonl", rows)
+        source, splits = tmp_path / "data.jsonl", "train"
+    elif layout == "csv":
+        Dataset.from_list(rows).to_csv(tmp_path / "train.csv")
+        Dataset.from_list(rows[:2]).to_csv(tmp_path / "test.csv")
+        source = tmp_path
+    elif layout == "parquet":
+        Dataset.from_list(rows).to_parquet(tmp_path / "train.parquet")
+        Dataset.from_list(rows[:2]).to_parquet(tmp_path / "test.parquet")
+        source = tmp_path
+    else:
+        DatasetDict(train=Dataset.from_list(rows), test=Dataset.from_list(rows[:2])).save_to_disk(tmp_path / "saved")
+        source = tmp_path / "saved"
+    raw = load_raw_datasets(argparse.Namespace(dataset_name=str(source), split_names=splits.split(",")))
+    assert list(raw) == splits.split(",")
+    assert raw["train"]["text"] == [r["text"] for r in rows]
+
+
+def test_missing_split_file_names_the_file(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"text": "a"}])
+    with pytest.raises(ValueError, match="no test.jsonl"):
+        load_raw_datasets(argparse.Namespace(dataset_name=str(tmp_path), split_names=["train", "test"]))
+
+
+def test_special_token_flags_are_refused_for_chat_data(smol_tokenizer, chat_dir):
+    raw = load_raw_datasets(argparse.Namespace(dataset_name=str(chat_dir), split_names=["train"]))
+    data_args = argparse.Namespace(add_special_tokens=True, append_concat_token=True)
+    with pytest.raises(ValueError, match="--add_special_tokens / --append_concat_token apply to text"):
+        build_datasets(raw, smol_tokenizer, data_args, argparse.Namespace(dataset_text_field="text"))
+
+
+def per_token_losses(model, input_ids, labels, position_ids=None):
+    logits = model(input_ids=input_ids[None], position_ids=None if position_ids is None else position_ids[None]).logits[0]
+    losses = torch.nn.functional.cross_entropy(logits[:-1].float(), labels[1:], reduction="none", ignore_index=-100)
+    return losses[labels[1:] != -100]
+
+
+def test_packing_keeps_every_token_and_examples_do_not_see_their_neighbours(tiny_model_dir, smol_tokenizer, chat_dir):
+    """The recipe's packed batches (TRL bfd, sdpa) give each example exactly the loss it has alone."""
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    raw = load_raw_datasets(argparse.Namespace(dataset_name=str(chat_dir), split_names=["train"]))
+    raw["train"] = raw["train"].select(range(6))
+    data_args = argparse.Namespace(add_special_tokens=False, append_concat_token=True)
+    datasets, _ = build_datasets(raw, smol_tokenizer, data_args, argparse.Namespace(dataset_text_field="text"))
+    examples = list(datasets["train"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    config = SFTConfig(output_dir="unused", packing=True, max_length=512, per_device_train_batch_size=1,
+                       use_cpu=True, bf16=False, report_to="none", shuffle_dataset=False)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=datasets["train"], processing_class=smol_tokenizer)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "attention_mask" not in batch  # padding-free: the boundaries travel in position_ids
+    ids, labels, positions = batch["input_ids"][0], batch["labels"][0], batch["position_ids"][0]
+    assert ids.numel() == sum(len(e["input_ids"]) for e in examples)  # packing keeps every token
+
+    model.eval()
+    with torch.no_grad():
+        starts = (positions == 0).nonzero().flatten().tolist() + [ids.numel()]
+        packed = per_token_losses(model, ids, labels, positions)
+        alone = []
+        for start, end in zip(starts[:-1], starts[1:]):
+            segment = ids[start:end].tolist()
+            match = next(e for e in examples if e["input_ids"] == segment)
+            alone.append(per_token_losses(model, torch.tensor(segment), torch.tensor(match["labels"])))
+        # The collator masks each example's first label (it has no left context), which the example alone never
+        # supervises either (a prompt comes first), so the supervised tokens line up one for one.
+        torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
+        unmasked = per_token_losses(model, ids, labels)  # the same packed row without position resets
+        assert not torch.allclose(unmasked, packed, rtol=1e-3, atol=1e-4)  # so the test can tell contamination

@@ -1,0 +1,109 @@
+"""Bad input stops the run with one clear line naming the problem and the fix, before any weights load."""
+
+import subprocess
+import sys
+
+import pytest
+
+import checks
+import train
+import utils
+from arguments import parse_arguments
+from utils import REPO_DIR
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading weights fails the test: every refusal here must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded before the problem was reported")
+    monkeypatch.setattr(train, "build_model", refuse)
+
+
+def refused(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        train.run(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def test_missing_model_path(no_weights, capsys, tmp_path):
+    line = refused(["--model_name_or_path", str(tmp_path / "no-model")], capsys)
+    assert "--model_name_or_path" in line and "no such model folder" in line
+
+
+def test_hub_model_not_cached_while_offline(no_weights, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = refused(["--model_name_or_path", "nobody/no-such-model"], capsys)
+    assert "not in the local Hugging Face cache" in line and "hf download nobody/no-such-model" in line
+
+
+def test_missing_dataset_path(no_weights, capsys, tmp_path):
+    line = refused(["--dataset_name", str(tmp_path / "nothing.jsonl")], capsys)
+    assert "--dataset_name" in line and "no such dataset" in line
+
+
+def test_missing_column(no_weights, capsys, tmp_path, tiny_model_dir):
+    (tmp_path / "train.jsonl").write_text('{"question": "a", "answer": "b"}\n')
+    line = refused(["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(tmp_path / "train.jsonl"),
+                    "--splits", "train"], capsys)
+    assert "['question', 'answer']" in line and "--dataset_text_field" in line
+
+
+def test_missing_split_file(no_weights, capsys, tmp_path, tiny_model_dir):
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n')
+    line = refused(["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(tmp_path)], capsys)
+    assert "no test.jsonl" in line and "--splits" in line
+
+
+def test_unknown_template(no_weights, capsys):
+    line = refused(["--chat_template_format", "llama3"], capsys)
+    assert "--chat_template_format" in line and "'llama3'" in line and "'chatml', 'zephyr'" in line
+
+
+def test_4bit_and_8bit_together(no_weights, capsys):
+    line = refused(["--use_4bit_quantization", "true", "--use_8bit_quantization", "true"], capsys)
+    assert "keep one of them" in line
+
+
+def test_flash_attention_where_it_cannot_run(no_weights, capsys):
+    line = refused(["--use_flash_attn", "true"], capsys)
+    assert "--use_flash_attn" in line and "sdpa" in line
+
+
+def test_bf16_on_a_machine_without_it(monkeypatch):
+    monkeypatch.setattr(checks, "native_bf16_supported", lambda: False)
+    problems = checks.check_arguments(*parse_arguments(["--bf16", "true"])[:3])
+    assert problems == ["--bf16 is set but this CPU has no native bf16 (emulated bf16 is many times slower than fp32); "
+                        "pass --bf16 false."]
+
+
+def test_bf16_default_follows_the_hardware(monkeypatch):
+    import arguments
+
+    for native in (True, False):
+        monkeypatch.setattr(arguments, "native_bf16_supported", lambda: native)
+        assert parse_arguments([])[2].bf16 is native
+
+
+def test_missing_resume_checkpoint(no_weights, capsys, tmp_path):
+    line = refused(["--resume_from_checkpoint", str(tmp_path / "checkpoint-9")], capsys)
+    assert "no such checkpoint folder" in line
+
+
+def test_malformed_jsonl_names_the_dataset(no_weights, capsys, tmp_path, tiny_model_dir):
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    line = refused(["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(tmp_path / "train.jsonl"),
+                    "--splits", "train"], capsys)
+    assert str(tmp_path / "train.jsonl") in line
+
+
+def test_command_line_exit_code_and_message():
+    """The real command: non-zero exit, one error line on stderr, no traceback."""
+    result = subprocess.run([sys.executable, "train.py", "--lora_rr", "8"], cwd=REPO_DIR, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert "error: unknown arguments: --lora_rr 8" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,145 @@
+"""Training end to end through train.py: LoRA and QLoRA on a tiny Llama, added template tokens, the default run."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+import train
+from arguments import parse_arguments
+from utils import build_model, build_tokenizer
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def tiny_args(model_dir, data_dir, out, *extra):
+    return ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out),
+            "--max_steps", "6", "--per_device_train_batch_size", "8", "--learning_rate", "3e-2", "--logging_steps", "1",
+            "--bf16", "false", "--eval_num_prompts", "0", "--disable_tqdm", "true", "--warmup_steps", "0", *extra]
+
+
+def fresh_model(argv):
+    """The base model exactly as train.py builds it, before any training."""
+    model_args, _, training_args, _ = parse_arguments(argv)
+    tokenizer, added = build_tokenizer(model_args)
+    return build_model(model_args, training_args, tokenizer, added).eval()
+
+
+def logits(model, tokenizer):
+    batch = tokenizer(["Convert this date to ISO format (YYYY-MM-DD): May 1, 2000"], return_tensors="pt")
+    with torch.no_grad():
+        return model.eval()(**batch).logits.float()
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora-4bit"])
+def test_lora_trains_only_the_adapter_and_the_saved_adapter_reloads(tiny_model_dir, chat_dir, tmp_path, quantized):
+    extra = ["--use_4bit_quantization", "true", "--eval_num_prompts", "2"] if quantized else []
+    argv = tiny_args(tiny_model_dir, chat_dir, tmp_path / "out", *extra)
+    trainer, summary = train.run(argv)
+
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses  
+
+    base = dict(fresh_model(argv).named_parameters())
+    lora_b = 0
+    for name, param in trainer.model.named_parameters():
+        if "lora_" in name:
+            assert param.requires_grad
+            lora_b += name.count("lora_B") and bool(param.detach().abs().sum() > 0)  # B starts at zero
+        else:
+            assert not param.requires_grad, name
+            original = base[name.replace("base_model.model.", "").replace(".base_layer", "")]
+            # compared as bytes: 4-bit weights are packed into a float storage dtype, where NaN patterns never compare equal
+            assert torch.equal(param.detach().cpu().view(torch.uint8), original.detach().cpu().view(torch.uint8)), name
+    assert lora_b == 2 * 7  # every LoRA B of the 2 layers x 7 linear modules moved away from zero
+
+    out = tmp_path / "out"
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 16 and {name.rsplit(".", 1)[-1] for name in config["target_modules"]} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    # TRL trains the adapter of a quantized model in bf16; PEFT would upcast it to fp32 on load unless told not to
+    reloaded = PeftModel.from_pretrained(fresh_model(argv), out, autocast_adapter_dtype=not quantized)
+    torch.testing.assert_close(logits(reloaded, trainer.processing_class),
+                               logits(trainer.model, trainer.processing_class), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_without_chatml(tmp_path_factory):
+    """A byte-level BPE tokenizer with only <s>, </s>, <unk>: the chatml template must add its two tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    texts = [json.dumps(row) for row in ({"q": f"date {i}", "a": f"{2000 + i}-01-0{i % 9 + 1}"} for i in range(200))]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    out = tmp_path_factory.mktemp("bpe-llama")
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)).save_pretrained(out)
+    return out
+
+
+def test_added_template_tokens_are_trained_saved_and_reload_without_size_mismatch(tokenizer_without_chatml, chat_dir,
+                                                                                 tmp_path):
+    argv = tiny_args(tokenizer_without_chatml, chat_dir, tmp_path / "out", "--chat_template_format", "chatml")
+    model_args, *_ = parse_arguments(argv)
+    tokenizer, added = build_tokenizer(model_args)
+    assert tokenizer.convert_ids_to_tokens(added) == ["<|im_start|>", "<|im_end|>"]
+    assert "<s>" not in tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+
+    trainer, _ = train.run(argv)
+    out = tmp_path / "out"
+    rows_before = fresh_model(argv).get_input_embeddings().weight[added]
+    trained = trainer.model.get_input_embeddings()(torch.tensor(added))
+    assert not torch.allclose(trained, rows_before)  # the new rows were trained
+
+    base = AutoModelForCausalLM.from_pretrained(tokenizer_without_chatml, dtype=torch.float32)
+    base.resize_token_embeddings(len(tokenizer))  # as evaluate.py does from the saved tokenizer's length
+    reloaded = PeftModel.from_pretrained(base, out)  # no size mismatch
+    saved_tokenizer = type(tokenizer).from_pretrained(out)
+    assert len(saved_tokenizer) == len(tokenizer)
+    torch.testing.assert_close(logits(reloaded, saved_tokenizer), logits(trainer.model, saved_tokenizer),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
+    """The README's default run, shortened to a few steps: the held-out metric rises and the adapter is saved."""
+    trainer, summary = train.run(["--output_dir", str(tmp_path / "out"), "--max_steps", "6", "--eval_num_prompts", "16",
+                                  "--disable_tqdm", "true"])
+    assert summary["exact_match_after"] > summary["exact_match_before"] + 0.2, summary
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+def test_shipped_demo_data_is_what_the_generator_makes():
+    from data.make_dates_dataset import make_splits
+    from utils import REPO_DIR
+
+    splits = make_splits(n_train=512, n_test=64, seed=0)
+    for split, rows in splits.items():
+        shipped = [json.loads(line) for line in (REPO_DIR / "data" / "dates" / f"{split}.jsonl").read_text().splitlines()]
+        assert shipped == rows
+    answers = {split: {r["messages"][1]["content"] for r in rows} for split, rows in splits.items()}
+    assert not answers["train"] & answers["test"]  # held-out dates are never trained on
+
+
+def test_exact_match_normalises_whitespace_case_and_a_final_period():
+    from evaluate import exact_match
+
+    assert exact_match(["2021-03-05.", " 2021-03-05 ", "March 5, 2021"], ["2021-03-05"] * 3) == pytest.approx(2 / 3)
+
+
+def test_resume_latest_without_checkpoint_starts_fresh(tmp_path):
+    args = argparse.Namespace(resume_from_checkpoint="latest", output_dir=str(tmp_path))
+    assert train.resolve_resume_checkpoint(args) is None
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-12").mkdir()
+    assert train.resolve_resume_checkpoint(args).endswith("checkpoint-12")

@@ -1,0 +1,135 @@
+"""Supervised fine-tuning with LoRA or QLoRA, on one CPU or many GPUs, through TRL's SFTTrainer.
+
+    python train.py                                   # LoRA on SmolLM2-135M-Instruct, offline, CPU, ~4 minutes
+    python train.py my_run.yaml --learning_rate 2e-4  # keys of the file are the flags; flags override the file
+    accelerate launch --config_file configs/fsdp_config.yaml train.py --model_name_or_path meta-llama/Llama-2-70b-hf ...
+
+Every SFTConfig / TrainingArguments flag works (`python train.py --help`). The configuration is checked as a whole
+before any weights load; a problem stops the run with a message that names the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+from transformers import set_seed
+from trl import SFTTrainer
+
+from arguments import ConfigError, parse_arguments
+from checks import check_arguments
+from evaluate import evaluate_exact_match, heldout_examples
+from utils import DEFAULT_MODEL_DIR, build_datasets, build_model, build_peft_config, build_tokenizer
+from utils import convert_default_model, load_raw_datasets
+
+
+def log(message: str) -> None:
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(message, flush=True)
+
+
+def fail(problems: list[str]) -> None:
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    sys.exit(2)
+
+
+def fail_if(problems: list[str]) -> None:
+    if problems:
+        fail(problems)
+
+
+def resolve_resume_checkpoint(training_args) -> str | None:
+    """`latest` means the newest checkpoint in output_dir, or a fresh start when there is none."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    resume = training_args.resume_from_checkpoint
+    if resume == "latest":
+        return get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+    return resume
+
+
+def run(argv: list[str] | None = None):
+    """The whole recipe; returns the trainer and a summary of the run (losses, held-out exact match, seconds)."""
+    started = time.time()
+    try:
+        model_args, data_args, training_args, _ = parse_arguments(argv)
+    except ConfigError as err:
+        fail([str(err)])
+    fail_if(check_arguments(model_args, data_args, training_args))
+
+    set_seed(training_args.seed)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    log(f"device: {world_size} x {device}, precision: {'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'fp32'}, "
+        f"activation checkpointing: {training_args.activation_checkpointing}, torch threads: {torch.get_num_threads()}")
+
+    # Tokenizer and data first: a data problem stops the run before the weights load.
+    try:
+        if model_args.model_name_or_path == DEFAULT_MODEL_DIR:
+            convert_default_model()
+        tokenizer, added_token_ids = build_tokenizer(model_args, training_args.trust_remote_code)
+        raw = load_raw_datasets(data_args)
+        datasets, data_format = build_datasets(raw, tokenizer, data_args, training_args)
+    except (ValueError, FileNotFoundError) as err:
+        fail([str(err)])
+    except Exception as err:  # datasets' own parse errors: name the source
+        fail([f"could not read dataset {data_args.dataset_name}: {type(err).__name__}: {err}"])
+    eval_split = data_args.eval_split
+    log(f"data: {data_args.dataset_name} ({data_format}), "
+        + ", ".join(f"{split} {len(ds)} examples" for split, ds in datasets.items()))
+    heldout = None
+    if eval_split and data_args.eval_num_prompts > 0 and world_size == 1:
+        heldout = heldout_examples(raw[eval_split], data_args.eval_num_prompts)
+
+    model = build_model(model_args, training_args, tokenizer, added_token_ids)
+    if training_args.activation_checkpointing:
+        training_args.activation_checkpointing_kwargs = {"use_reentrant": model_args.use_reentrant}
+
+    summary: dict = {}
+    if heldout is not None:
+        summary["exact_match_before"], _ = evaluate_exact_match(model, tokenizer, heldout, data_args.eval_max_new_tokens)
+        log(f"held-out exact match before training: {summary['exact_match_before']:.1%} "
+            f"({len(heldout.references)} {eval_split} prompts)")
+
+    trainer = SFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=datasets["train"],
+        eval_dataset=datasets.get(eval_split) if eval_split else None,
+        processing_class=tokenizer,
+        peft_config=build_peft_config(model_args, added_token_ids),
+    )
+    if model_args.use_peft_lora and trainer.accelerator.is_main_process:
+        trainer.model.print_trainable_parameters()
+
+    result = trainer.train(resume_from_checkpoint=resolve_resume_checkpoint(training_args))
+
+    if trainer.is_fsdp_enabled:  # gather the adapter on rank 0 so the final folder is a plain PEFT adapter
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    trainer.save_model()
+    summary["train_loss"] = result.training_loss
+    summary["train_steps"] = result.global_step
+    if eval_split and training_args.eval_strategy == "no" and world_size == 1:
+        summary["eval_loss"] = trainer.evaluate()["eval_loss"]
+    if heldout is not None:
+        summary["exact_match_after"], predictions = evaluate_exact_match(
+            trainer.model, tokenizer, heldout, data_args.eval_max_new_tokens)
+        for prompt, reference, prediction in list(zip(heldout.prompts, heldout.references, predictions))[:3]:
+            question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+            log(f"  {question!r} -> {prediction!r} (reference {reference!r})")
+        log(f"held-out exact match: {summary['exact_match_before']:.1%} before, {summary['exact_match_after']:.1%} after")
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
+    summary["seconds"] = time.time() - started
+    log(f"done in {summary['seconds']:.0f} s: train loss {summary['train_loss']:.4f}"
+        + (f", eval loss {summary['eval_loss']:.4f}" if not math.isnan(summary.get("eval_loss", math.nan)) else "")
+        + f"; adapter and tokenizer in {training_args.output_dir}")
+    return trainer, summary
+
+
+if __name__ == "__main__":
+    run()
