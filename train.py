@@ -17,10 +17,10 @@ import time
 
 import torch
 from transformers import set_seed
-from trl import SFTTrainer
 
 from arguments import ConfigError, parse_arguments
 from checks import check_arguments
+from distributed import trainer_class
 from evaluate import evaluate_exact_match, heldout_examples
 from utils import DEFAULT_MODEL_DIR, build_datasets, build_model, build_peft_config, build_tokenizer
 from utils import convert_default_model, load_raw_datasets
@@ -95,7 +95,7 @@ def run(argv: list[str] | None = None):
         log(f"held-out exact match before training: {summary['exact_match_before']:.1%} "
             f"({len(heldout.references)} {eval_split} prompts)")
 
-    trainer = SFTTrainer(
+    trainer = trainer_class()(
         model=model,
         args=training_args,
         train_dataset=datasets["train"],
