@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# QLoRA + DeepSpeed ZeRO-3: Llama-2-70B on 2 GPUs. zero.Init skips bitsandbytes weights, so every GPU holds the whole
+# 4-bit model (about 35 GB for 70B); LoRA weights, gradients and optimizer state are partitioned.
+# Memory:  not measured here; budget 48 GB GPUs or larger.
+# Usage:   ./run_peft_qlora_deepspeed.sh [train.py flags that override the ones below]
+#          MODEL=... DATASET=... pick another model or dataset. Needs `pip install -r requirements-gpu.txt`.
+set -euo pipefail
+cd "$(dirname "$0")"
+accelerate launch --config_file "${ACCELERATE_CONFIG:-configs/deepspeed_config_z3_qlora.yaml}" \
+  train.py configs/llama2_70b_chat_sft.yaml \
+  --model_name_or_path "${MODEL:-meta-llama/Llama-2-70b-hf}" --dataset_name "${DATASET:-smangrul/ultrachat-10k-chatml}" \
+  --per_device_train_batch_size 2 --per_device_eval_batch_size 2 --gradient_accumulation_steps 2 \
+  --use_reentrant true --use_4bit_quantization true --use_nested_quant true \
+  --bnb_4bit_compute_dtype bfloat16 --bnb_4bit_quant_storage_dtype bfloat16 \
+  --output_dir outputs/llama2-70b-qlora-deepspeed "$@"
