@@ -1,0 +1,110 @@
+"""Every launcher, run by bash as users run it, with a stand-in `accelerate` that records its arguments: the
+accelerate config builds its plugin and the train.py arguments parse into the real dataclasses."""
+
+import json
+import os
+import stat
+import subprocess
+
+import pytest
+
+from arguments import parse_arguments
+from distributed import launch_environment
+from utils import REPO_DIR, load_dtype
+
+LAUNCHERS = sorted(REPO_DIR.glob("run_*.sh"))
+RECORDER = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["ARGV_LOG"], "a") as f:
+    f.write(json.dumps({"argv": sys.argv[1:], "node": os.environ.get("SLURM_NODEID")}) + "\\n")
+"""
+
+
+@pytest.fixture
+def fake_bin(tmp_path):
+    """A folder with stand-ins for the commands a launcher calls, first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+
+    def add(name, text):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+
+    add("accelerate", RECORDER)
+    # SLURM: two nodes; srun runs its command once per node, as SLURM does with one task per node
+    add("scontrol", "#!/usr/bin/env bash\nprintf 'gpu-node-a\\ngpu-node-b\\n'\n")
+    add("srun", "#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+                "for node in 0 1; do SLURM_NODEID=$node SLURM_NNODES=2 \"$@\" || exit 1; done\n")
+    return bin_dir
+
+
+def run(script, fake_bin, *args, **env) -> list[dict]:
+    log = fake_bin.parent / "argv.jsonl"
+    log.unlink(missing_ok=True)
+    result = subprocess.run(["bash", str(script), *args], cwd=REPO_DIR, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "ARGV_LOG": str(log),
+                                 "SLURM_JOB_NODELIST": "gpu-node-[a-b]", **env})
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """accelerate's own arguments and train.py's."""
+    assert argv[0] == "launch"
+    at = argv.index("train.py")
+    return argv[1:at], argv[at + 1 :]
+
+
+@pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.name)
+def test_launcher_header_states_hardware_memory_and_usage(script):
+    header = script.read_text().split("set -euo pipefail")[0]
+    assert "GPU" in header and "Memory:" in header and "Usage:" in header
+
+
+@pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.name)
+def test_launcher_runs_one_accelerate_command_with_the_recipe(script, fake_bin):
+    (call,) = run(script, fake_bin, "--max_steps", "7", MODEL="org/other-model", DATASET="org/other-data")
+    launch_args, train_args = split(call["argv"])
+    config = launch_args[launch_args.index("--config_file") + 1]
+    assert (REPO_DIR / config).is_file()
+
+    model_args, data_args, training_args, _ = parse_arguments(train_args)
+    assert (model_args.model_name_or_path, data_args.dataset_name) == ("org/other-model", "org/other-data")
+    assert training_args.max_steps == 7  # "$@" comes last and wins
+    assert (model_args.lora_r, model_args.lora_alpha, model_args.lora_targets) == (8, 16, "all-linear")
+    assert training_args.packing and training_args.bf16 and training_args.activation_checkpointing
+    assert training_args.max_length == 2048 and model_args.chat_template_format == "zephyr"
+
+    qlora = "qlora" in script.name
+    deepspeed = "deepspeed" in config
+    assert model_args.use_4bit_quantization is qlora
+    if qlora:  # storage dtype == load dtype == compute dtype: FSDP / ZeRO-3 flatten one dtype
+        assert model_args.bnb_4bit_quant_storage_dtype == model_args.bnb_4bit_compute_dtype == "bfloat16"
+        assert str(load_dtype(model_args, training_args)) == "torch.bfloat16"
+    # reentrant checkpointing for QLoRA and for ZeRO-3 (non-reentrant fails there); LoRA + FSDP keeps the reference's
+    assert model_args.use_reentrant is (qlora or deepspeed)
+    env = launch_environment([*launch_args, "train.py"])
+    assert env["ACCELERATE_USE_DEEPSPEED" if deepspeed else "ACCELERATE_USE_FSDP"] == "true"
+
+
+def test_accelerate_config_can_be_swapped_without_editing(fake_bin):
+    (call,) = run(REPO_DIR / "run_peft_fsdp.sh", fake_bin, ACCELERATE_CONFIG="configs/fsdp_config.yaml")
+    launch_args, _ = split(call["argv"])
+    assert launch_args[launch_args.index("--config_file") + 1] == "configs/fsdp_config.yaml"
+
+
+@pytest.mark.parametrize("config, reentrant", [(None, False), ("configs/deepspeed_config_multinode.yaml", True)])
+def test_slurm_script_starts_accelerate_on_every_node(fake_bin, config, reentrant):
+    env = {"ACCELERATE_CONFIG": config} if config else {}
+    calls = run(REPO_DIR / "slurm" / "run_peft_fsdp_multinode.sbatch", fake_bin, "--max_steps", "3", **env)
+    assert [c["node"] for c in calls] == ["0", "1"]
+    for rank, call in enumerate(calls):
+        launch_args, train_args = split(call["argv"])
+        flags = dict(zip(launch_args[::2], launch_args[1::2]))
+        assert flags["--machine_rank"] == str(rank) and flags["--main_process_ip"] == "gpu-node-a"
+        assert flags["--num_machines"] == "2" and flags["--num_processes"] == "16"
+        assert flags["--config_file"] == (config or "configs/fsdp2_config_multinode.yaml")
+        model_args, _, training_args, _ = parse_arguments(train_args)
+        assert training_args.max_steps == 3 and model_args.use_reentrant is reentrant
+        env = launch_environment([*launch_args, "train.py"])
+        assert env["ACCELERATE_USE_DEEPSPEED" if config else "ACCELERATE_USE_FSDP"] == "true"
