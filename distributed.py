@@ -55,13 +55,6 @@ class CpuFsdpSFTTrainer(SFTTrainer):
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         self.is_fsdp_enabled = True
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        # On CPU the gathered full-state-dict tensors share storage with FSDP's own buffers (no device-to-host copy
-        # happens), and safetensors cannot address that storage: give it plain copies.
-        if state_dict is not None:
-            state_dict = {name: tensor.detach().clone() for name, tensor in state_dict.items()}
-        super()._save(output_dir, state_dict=state_dict)
-
 
 def trainer_class() -> type[SFTTrainer]:
     return CpuFsdpSFTTrainer if needs_cpu_fsdp() else SFTTrainer

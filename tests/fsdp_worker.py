@@ -1,0 +1,45 @@
+"""Runs train.py's recipe in each process of a multi-process launch, then records what the test checks: how the
+model was sharded, the loss history, and the logits of the trained sharded model. Not a copy of the recipe:
+`train.run` is the same call `python train.py` makes."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import train  # noqa: E402
+
+PROBE = "Convert this date to ISO format (YYYY-MM-DD): May 1, 2000"
+
+
+def main() -> None:
+    trainer, _ = train.run(sys.argv[1:])
+    model, rank = trainer.model, int(os.environ["RANK"])
+    out = Path(trainer.args.output_dir)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    report = {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "world_size": torch.distributed.get_world_size(),
+        "root_is_fsdp": isinstance(model, FSDPModule),
+        "layers_are_fsdp": [isinstance(layer, FSDPModule) for layer in layers],
+        "params": {name: {"dtensor": isinstance(p, DTensor), "trainable": p.requires_grad, "numel": p.numel(),
+                          "local_numel": p.to_local().numel() if isinstance(p, DTensor) else p.numel()}
+                   for name, p in model.named_parameters()},
+        "log_history": trainer.state.log_history,
+    }
+    batch = trainer.processing_class([PROBE], return_tensors="pt")
+    with torch.no_grad():
+        logits = model.eval()(**batch).logits  # every rank takes part in the sharded forward
+    if rank == 0:
+        torch.save(logits.float(), out / "sharded_logits.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
