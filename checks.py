@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from distributed import deepspeed_requested, fsdp_requested, fsdp_version
 from utils import DEFAULT_MODEL_DIR, gguf_source, is_flash_attn_installed, native_bf16_supported
 
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -62,6 +63,13 @@ def check_arguments(model_args, data_args, training_args) -> list[str]:
                         "fp32); pass --bf16 false.")
     if training_args.fp16 and not torch.cuda.is_available():
         problems.append("--fp16 needs a CUDA GPU; on CPU drop it (fp32, or --bf16 where the CPU has native bf16).")
+    if not torch.cuda.is_available():
+        if fsdp_requested() and fsdp_version() == 1:
+            problems.append("FSDP1 cannot run without a GPU (its module-state sync needs a device); on CPU launch with "
+                            "an FSDP2 config, e.g. --config_file configs/fsdp2_config.yaml.")
+        if deepspeed_requested():
+            problems.append("DeepSpeed through accelerate does not run without a GPU; on CPU launch with "
+                            "configs/fsdp2_config.yaml, or without accelerate.")
     resume = training_args.resume_from_checkpoint
     if resume and resume != "latest" and not Path(resume).is_dir():
         problems.append(f"--resume_from_checkpoint {resume}: no such checkpoint folder; pass an existing "

@@ -21,6 +21,10 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
 
 
+def deepspeed_requested() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
+
+
 def fsdp_version() -> int:
     return int(os.environ.get("FSDP_VERSION", "1"))
 
@@ -43,9 +47,6 @@ class CpuFsdpSFTTrainer(SFTTrainer):
         from accelerate.state import PartialState
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-        # TrainingArguments sets up its devices lazily and resets accelerate's shared state when it does; do it now,
-        # or the FSDP state set below would be wiped before the final save.
-        _ = self.args.device
         super().create_accelerator_and_postprocess()
         plugin = FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_AUTO_WRAP_POLICY, ... from the env
         state = self.accelerator.state

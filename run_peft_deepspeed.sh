@@ -3,10 +3,10 @@
 # Reentrant activation checkpointing: non-reentrant fails under ZeRO-3 + PEFT ("Recomputed values ... shape [0]").
 # Memory:  not measured here; close to the FSDP figure (72-80 GB per GPU) plus fp32 master copies of the LoRA weights.
 # Usage:   ./run_peft_deepspeed.sh [train.py flags that override the ones below]
-#          MODEL=... DATASET=... pick another model or dataset. Needs `pip install -r requirements-gpu.txt`.
+#          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs. Needs `pip install -r requirements-gpu.txt`.
 set -euo pipefail
 cd "$(dirname "$0")"
-accelerate launch --config_file "${ACCELERATE_CONFIG:-configs/deepspeed_config.yaml}" \
+accelerate launch ${NUM_PROCESSES:+--num_processes "$NUM_PROCESSES"} --config_file "${ACCELERATE_CONFIG:-configs/deepspeed_config.yaml}" \
   train.py configs/llama2_70b_chat_sft.yaml \
   --model_name_or_path "${MODEL:-meta-llama/Llama-2-70b-hf}" --dataset_name "${DATASET:-smangrul/ultrachat-10k-chatml}" \
   --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --gradient_accumulation_steps 4 \

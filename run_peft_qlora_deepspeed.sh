@@ -3,10 +3,10 @@
 # 4-bit model (about 35 GB for 70B); LoRA weights, gradients and optimizer state are partitioned.
 # Memory:  not measured here; budget 48 GB GPUs or larger.
 # Usage:   ./run_peft_qlora_deepspeed.sh [train.py flags that override the ones below]
-#          MODEL=... DATASET=... pick another model or dataset. Needs `pip install -r requirements-gpu.txt`.
+#          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs. Needs `pip install -r requirements-gpu.txt`.
 set -euo pipefail
 cd "$(dirname "$0")"
-accelerate launch --config_file "${ACCELERATE_CONFIG:-configs/deepspeed_config_z3_qlora.yaml}" \
+accelerate launch ${NUM_PROCESSES:+--num_processes "$NUM_PROCESSES"} --config_file "${ACCELERATE_CONFIG:-configs/deepspeed_config_z3_qlora.yaml}" \
   train.py configs/llama2_70b_chat_sft.yaml \
   --model_name_or_path "${MODEL:-meta-llama/Llama-2-70b-hf}" --dataset_name "${DATASET:-smangrul/ultrachat-10k-chatml}" \
   --per_device_train_batch_size 2 --per_device_eval_batch_size 2 --gradient_accumulation_steps 2 \

@@ -4,10 +4,10 @@
 # Memory:  about 19.6 GB per GPU and about 107 GB host RAM (published; 35.6 GB per GPU without offload). Plan on
 #          128 GB of host RAM or add swap.
 # Usage:   ./run_peft_qlora_fsdp.sh [train.py flags that override the ones below]
-#          MODEL=... DATASET=... pick another model or dataset; ACCELERATE_CONFIG=configs/fsdp2_config_qlora.yaml for FSDP2.
+#          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs; ACCELERATE_CONFIG=configs/fsdp2_config_qlora.yaml for FSDP2.
 set -euo pipefail
 cd "$(dirname "$0")"
-accelerate launch --config_file "${ACCELERATE_CONFIG:-configs/fsdp_config_qlora.yaml}" \
+accelerate launch ${NUM_PROCESSES:+--num_processes "$NUM_PROCESSES"} --config_file "${ACCELERATE_CONFIG:-configs/fsdp_config_qlora.yaml}" \
   train.py configs/llama2_70b_chat_sft.yaml \
   --model_name_or_path "${MODEL:-meta-llama/Llama-2-70b-hf}" --dataset_name "${DATASET:-smangrul/ultrachat-10k-chatml}" \
   --per_device_train_batch_size 2 --per_device_eval_batch_size 2 --gradient_accumulation_steps 2 \

@@ -160,10 +160,10 @@ def build_quantization_config(model_args):
 
 def sharded_loading() -> bool:
     """FSDP or ZeRO-3 places the weights itself: no device_map then (it would put the whole model on one GPU)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") or (
-        os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
-        and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") == "3"
-    )
+    from distributed import deepspeed_requested, fsdp_requested
+
+    zero3 = deepspeed_requested() and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") == "3"
+    return fsdp_requested() or zero3
 
 
 def build_model(model_args, training_args, tokenizer, added_token_ids: list[int]):

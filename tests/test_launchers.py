@@ -4,6 +4,7 @@ accelerate config builds its plugin and the train.py arguments parse into the re
 import json
 import os
 import stat
+import sys
 import subprocess
 
 import pytest
@@ -108,3 +109,12 @@ def test_slurm_script_starts_accelerate_on_every_node(fake_bin, config, reentran
         assert training_args.max_steps == 3 and model_args.use_reentrant is reentrant
         env = launch_environment([*launch_args, "train.py"])
         assert env["ACCELERATE_USE_DEEPSPEED" if config else "ACCELERATE_USE_FSDP"] == "true"
+
+
+def test_gpu_smoke_script_says_so_without_a_gpu(fake_bin):
+    """On CPU hosts it stops at once with one clear line (nvidia-smi fails here: the stand-in exits non-zero)."""
+    (fake_bin / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    result = subprocess.run([sys.executable, "bench/gpu_smoke.py"], cwd=REPO_DIR, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+    assert result.returncode == 1 and "error: no NVIDIA GPU found" in result.stderr
