@@ -19,8 +19,8 @@ import torch
 from transformers import set_seed
 
 from arguments import ConfigError, parse_arguments
-from checks import check_arguments
-from distributed import trainer_class
+from checks import Launch, Problem, Setup, added_tokens_under_fsdp, preflight, read_model_config
+from distributed import launch_environment, trainer_class
 from evaluate import evaluate_exact_match, heldout_examples
 from utils import DEFAULT_MODEL_DIR, build_datasets, build_model, build_peft_config, build_tokenizer
 from utils import convert_default_model, load_raw_datasets
@@ -37,9 +37,48 @@ def fail(problems: list[str]) -> None:
     sys.exit(2)
 
 
-def fail_if(problems: list[str]) -> None:
-    if problems:
-        fail(problems)
+def report(problems: list[Problem]) -> None:
+    """Every problem on its own line (rank 0 only); stop with exit code 2 if any is an error."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        for problem in problems:
+            print(f"{problem.level}: {problem}", file=sys.stderr, flush=True)
+    if any(problem.level == "error" for problem in problems):
+        sys.exit(2)
+
+
+def report_added_tokens(setup: Setup, added_token_ids: list[int]) -> None:
+    setup.added_tokens = len(added_token_ids)
+    report([problem for problem in [added_tokens_under_fsdp(setup)] if problem])
+
+
+def take_mode_flags(argv: list[str]) -> tuple[list[str], bool, str | None]:
+    """`--check` (check and exit) and `--accelerate_config FILE` (the settings --check assumes) are modes of this
+    script, not training arguments: take them out before parsing."""
+    argv, check, accelerate_config = list(argv), False, None
+    if "--check" in argv:
+        argv.remove("--check")
+        check = True
+    if "--accelerate_config" in argv:
+        at = argv.index("--accelerate_config")
+        if at + 1 >= len(argv):
+            fail(["--accelerate_config needs a file: --accelerate_config configs/fsdp2_config.yaml"])
+        accelerate_config = argv[at + 1]
+        del argv[at : at + 2]
+    return argv, check, accelerate_config
+
+
+def launch_in_effect(accelerate_config: str | None) -> tuple[Launch, bool]:
+    """The distributed settings of this process, or those `accelerate launch --config_file FILE` would give it; and
+    whether they are meant for GPU machines other than this one (a launcher checked from a laptop)."""
+    if accelerate_config is None:
+        return Launch.current(), False
+    if not os.path.isfile(accelerate_config):
+        fail([f"--accelerate_config {accelerate_config}: no such file; pass one of configs/*.yaml"])
+    import yaml
+
+    config = yaml.safe_load(open(accelerate_config))
+    launch = Launch(launch_environment(["--config_file", accelerate_config, "train.py"]), config.get("num_processes", 1))
+    return launch, not config.get("use_cpu", False)
 
 
 def resolve_resume_checkpoint(training_args) -> str | None:
@@ -55,11 +94,22 @@ def resolve_resume_checkpoint(training_args) -> str | None:
 def run(argv: list[str] | None = None):
     """The whole recipe; returns the trainer and a summary of the run (losses, held-out exact match, seconds)."""
     started = time.time()
+    argv, check_only, accelerate_config = take_mode_flags(sys.argv[1:] if argv is None else argv)
     try:
         model_args, data_args, training_args, _ = parse_arguments(argv)
     except ConfigError as err:
         fail([str(err)])
-    fail_if(check_arguments(model_args, data_args, training_args))
+    launch, elsewhere = launch_in_effect(accelerate_config)
+    setup = Setup(model_args, data_args, training_args, launch, here=not elsewhere,
+                  cuda=torch.cuda.is_available() or elsewhere,
+                  model_config=read_model_config(model_args.model_name_or_path, training_args.trust_remote_code))
+    report(preflight(setup))
+    if check_only:
+        if setup.model_config is not None:  # the tokenizer is readable too: does the chat template add tokens?
+            report_added_tokens(setup, build_tokenizer(model_args, training_args.trust_remote_code)[1])
+        log("check passed: no error in this configuration (data and weights were not read"
+            + ("; this machine's hardware was not checked: the launch targets GPUs)" if elsewhere else ")"))
+        return None, {}
 
     set_seed(training_args.seed)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -72,6 +122,7 @@ def run(argv: list[str] | None = None):
         if model_args.model_name_or_path == DEFAULT_MODEL_DIR:
             convert_default_model()
         tokenizer, added_token_ids = build_tokenizer(model_args, training_args.trust_remote_code)
+        report_added_tokens(setup, added_token_ids)
         raw = load_raw_datasets(data_args)
         datasets, data_format = build_datasets(raw, tokenizer, data_args, training_args)
     except (ValueError, FileNotFoundError) as err:

@@ -1,0 +1,194 @@
+"""Preflight: one test per rule, with a configuration that triggers it and one that does not."""
+
+import pytest
+
+import checks
+from arguments import parse_arguments
+from checks import Launch, Setup, preflight
+from distributed import launch_environment
+from utils import REPO_DIR
+
+CONFIGS = REPO_DIR / "configs"
+
+
+def launch(config: str | None = None, **overrides) -> Launch:
+    """The environment of a process started by `accelerate launch --config_file configs/<config>`, edited."""
+    env = launch_environment(["--config_file", str(CONFIGS / config), "train.py"]) if config else {}
+    env.update({key: str(value) for key, value in overrides.items()})
+    return Launch(env, int(overrides.pop("WORLD_SIZE", 2 if config else 1)))
+
+
+def setup(argv=(), launch_=None, **fields) -> Setup:
+    model_args, data_args, training_args, _ = parse_arguments(list(argv))
+    return Setup(model_args, data_args, training_args, launch_ or Launch(), **fields)
+
+
+def fired(rule, s: Setup):
+    problem = rule(s)
+    return problem and problem.level
+
+
+QLORA = ["--use_4bit_quantization", "true", "--bf16", "true"]
+
+CASES = [
+    # rule, (argv, launch, extra Setup fields) that triggers it, the same that does not, the level
+    (checks.quant_storage_dtype,
+     (QLORA + ["--bnb_4bit_quant_storage_dtype", "uint8"], launch("fsdp_config_qlora.yaml"), {}),
+     (QLORA, launch("fsdp_config_qlora.yaml"), {}), "error"),
+    (checks.quant_storage_dtype,  # fp16 mixed precision needs float32 storage
+     (["--use_4bit_quantization", "true", "--bf16", "false"], launch("fsdp_config_qlora.yaml",
+                                                                    ACCELERATE_MIXED_PRECISION="fp16"), {}),
+     (["--use_4bit_quantization", "true", "--bf16", "false", "--bnb_4bit_quant_storage_dtype", "float32"],
+      launch("fsdp_config_qlora.yaml", ACCELERATE_MIXED_PRECISION="fp16"), {}), "error"),
+    (checks.eight_bit_with_fsdp,
+     (["--use_8bit_quantization", "true"], launch("fsdp2_config.yaml"), {}),
+     (["--use_8bit_quantization", "true"], launch("deepspeed_config.yaml"), {}), "error"),
+    (checks.bnb_optimizer_with_fsdp,
+     (["--optim", "paged_adamw_8bit"], launch("fsdp2_config.yaml"), {}),
+     (["--optim", "adamw_torch"], launch("fsdp2_config.yaml"), {}), "error"),
+    (checks.qlora_fsdp_loading,
+     (QLORA, launch("fsdp_config_qlora.yaml", FSDP_CPU_RAM_EFFICIENT_LOADING="false"), {}),
+     (QLORA, launch("fsdp_config_qlora.yaml"), {}), "error"),
+    (checks.qlora_fsdp_loading,
+     (QLORA, launch("fsdp_config_qlora.yaml", FSDP_USE_ORIG_PARAMS="true"), {}),
+     (QLORA, launch("fsdp_config_qlora.yaml", FSDP_USE_ORIG_PARAMS="false"), {}), "error"),
+    (checks.ram_efficient_without_sync,
+     ([], launch("fsdp_config.yaml", FSDP_SYNC_MODULE_STATES="false"), {}),
+     ([], launch("fsdp_config.yaml"), {}), "error"),
+    (checks.fsdp2_qlora_loading,
+     (QLORA, launch("fsdp2_config_qlora.yaml"), {}), (QLORA, launch("fsdp_config_qlora.yaml"), {}), "warning"),
+    (checks.zero3_qlora_replicated,
+     (QLORA, launch("deepspeed_config_z3_qlora.yaml"), {}), ([], launch("deepspeed_config.yaml"), {}), "warning"),
+    (checks.compile_with_fsdp1,
+     (["--torch_compile", "true"], launch("fsdp_config.yaml"), {}),
+     (["--torch_compile", "true"], launch("fsdp2_config.yaml"), {}), "error"),
+    (checks.two_activation_checkpointings,
+     (["--activation_checkpointing", "true"], launch("fsdp2_config.yaml", FSDP_ACTIVATION_CHECKPOINTING="true"), {}),
+     (["--activation_checkpointing", "false"], launch("fsdp2_config.yaml", FSDP_ACTIVATION_CHECKPOINTING="true"), {}),
+     "error"),
+    (checks.fsdp1_reshard_after_forward_ignored,
+     ([], launch("fsdp_config.yaml", FSDP_RESHARD_AFTER_FORWARD="SHARD_GRAD_OP"), {}),
+     ([], launch("fsdp_config.yaml"), {}), "warning"),
+    (checks.deepspeed_set_twice,
+     (["--gradient_accumulation_steps", "4"], launch("deepspeed_config.yaml", ACCELERATE_GRADIENT_ACCUMULATION_STEPS=8),
+      {}),
+     (["--gradient_accumulation_steps", "4"], launch("deepspeed_config.yaml"), {}), "error"),
+    (checks.deepspeed_set_twice,
+     (["--max_grad_norm", "1.0"], launch("deepspeed_config.yaml", ACCELERATE_GRADIENT_CLIPPING="0.3"), {}),
+     (["--max_grad_norm", "0.3"], launch("deepspeed_config.yaml", ACCELERATE_GRADIENT_CLIPPING="0.3"), {}), "error"),
+    (checks.zero3_non_reentrant,
+     (["--activation_checkpointing", "true", "--use_reentrant", "false"], launch("deepspeed_config.yaml"), {}),
+     (["--activation_checkpointing", "true", "--use_reentrant", "true"], launch("deepspeed_config.yaml"), {}),
+     "error"),
+    (checks.single_process_generation,
+     (["--eval_num_prompts", "8"], launch("fsdp2_config.yaml"), {}),
+     (["--eval_num_prompts", "0"], launch("fsdp2_config.yaml"), {}), "warning"),
+    (checks.added_tokens_under_fsdp,
+     ([], launch("fsdp_config.yaml"), {"added_tokens": 2}), ([], launch("fsdp_config.yaml"), {"added_tokens": 0}),
+     "warning"),
+    (checks.added_tokens_under_fsdp,
+     (QLORA, launch("fsdp2_config_qlora.yaml"), {"added_tokens": 2}),
+     (QLORA, launch("deepspeed_config_z3_qlora.yaml"), {"added_tokens": 2}), "warning"),
+    (checks.flash_attention,
+     (["--use_flash_attn", "true"], None, {"cuda": False}), (["--use_flash_attn", "false"], None, {"cuda": False}),
+     "error"),
+    (checks.flash_attention,  # a GPU here, but no flash-attn package
+     (["--use_flash_attn", "true"], None, {"cuda": True}),
+     (["--use_flash_attn", "true"], None, {"cuda": True, "here": False}), "error"),
+    (checks.fp16_without_gpu,
+     (["--fp16", "true", "--bf16", "false"], None, {"cuda": False}),
+     (["--fp16", "true", "--bf16", "false"], None, {"cuda": True}), "error"),
+    (checks.engine_without_gpu,
+     ([], launch("fsdp_config.yaml"), {"cuda": False}), ([], launch("fsdp2_config.yaml"), {"cuda": False}), "error"),
+    (checks.engine_without_gpu,
+     ([], launch("deepspeed_config.yaml"), {"cuda": False}), ([], launch("deepspeed_config.yaml"), {"cuda": True}),
+     "error"),
+    (checks.resume_checkpoint,
+     (["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], None, {}),
+     (["--resume_from_checkpoint", "latest"], None, {}), "error"),
+    (checks.dataset_source,
+     (["--dataset_name", "/nonexistent/data.jsonl"], None, {}),
+     (["--dataset_name", str(REPO_DIR / "data" / "dates")], None, {}), "error"),
+]
+
+
+@pytest.mark.parametrize("rule, bad, good, level", CASES,
+                         ids=[f"{case[0].__name__}-{i}" for i, case in enumerate(CASES)])
+def test_rule_fires_on_its_trap_and_only_there(monkeypatch, rule, bad, good, level):
+    monkeypatch.setattr(checks, "is_flash_attn_installed", lambda: False)
+    monkeypatch.setattr(checks, "native_bf16_supported", lambda: True)
+    argv, launch_, fields = bad
+    assert fired(rule, setup(argv, launch_, **fields)) == level
+    argv, launch_, fields = good
+    assert fired(rule, setup(argv, launch_, **fields)) is None
+
+
+def test_bf16_rule_follows_the_hardware(monkeypatch):
+    monkeypatch.setattr(checks, "native_bf16_supported", lambda: False)
+    assert fired(checks.bf16_support, setup(["--bf16", "true"])) == "error"
+    assert fired(checks.bf16_support, setup(["--bf16", "false"])) is None
+    assert fired(checks.bf16_support, setup(["--bf16", "true"], here=False)) is None  # checking a GPU launch
+
+
+def test_model_without_a_layer_class_to_wrap(tiny_model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    fsdp = launch("fsdp2_config.yaml")
+    assert fired(checks.no_layer_class_to_wrap, setup([], fsdp, model_config=config)) is None
+    import memory
+
+    original = memory.no_split_modules
+    try:
+        memory.no_split_modules = lambda config: []  # as for many remote-code models
+        assert fired(checks.no_layer_class_to_wrap, setup([], fsdp, model_config=config)) == "error"
+        named = launch("fsdp2_config.yaml", FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer")
+        assert fired(checks.no_layer_class_to_wrap, setup([], named, model_config=config)) is None
+    finally:
+        memory.no_split_modules = original
+
+
+def test_every_problem_is_reported_at_once_errors_first(monkeypatch):
+    monkeypatch.setattr(checks, "is_flash_attn_installed", lambda: False)
+    s = setup(QLORA + ["--bnb_4bit_quant_storage_dtype", "uint8", "--optim", "paged_adamw_8bit", "--use_flash_attn",
+                       "true", "--eval_num_prompts", "4"], launch("fsdp2_config_qlora.yaml"), cuda=True)
+    problems = preflight(s)
+    levels = [p.level for p in problems]
+    assert levels == sorted(levels, key=lambda level: level != "error")
+    names = " | ".join(str(p) for p in problems)
+    for expected in ("uint8", "paged_adamw_8bit", "flash-attn is not installed", "QLoRA with FSDP2",
+                     "--eval_num_prompts"):
+        assert expected in names
+    assert all(" Fix: " in str(p) for p in problems)
+
+
+def test_shipped_launchers_pass_their_own_check(tiny_model_dir, chat_dir):
+    """Each shipped accelerate config with the recipe preset: no error (warnings allowed for QLoRA trade-offs)."""
+    for config in ("fsdp2_config.yaml", "fsdp_config.yaml", "fsdp_config_qlora.yaml", "deepspeed_config.yaml",
+                   "deepspeed_config_z3_qlora.yaml"):
+        qlora = "qlora" in config
+        argv = [str(CONFIGS / "llama2_70b_chat_sft.yaml"), "--model_name_or_path", str(tiny_model_dir),
+                "--dataset_name", str(chat_dir), "--use_reentrant", "true",
+                *(["--use_4bit_quantization", "true", "--bnb_4bit_quant_storage_dtype", "bfloat16"] if qlora else [])]
+        from transformers import AutoConfig
+
+        problems = preflight(setup(argv, launch(config), here=False, cuda=True,
+                                   model_config=AutoConfig.from_pretrained(tiny_model_dir)))
+        assert [p for p in problems if p.level == "error"] == [], (config, problems)
+
+
+def test_check_command_reports_everything_and_loads_no_weights(tiny_model_dir, chat_dir):
+    import subprocess
+    import sys
+
+    base = [sys.executable, "train.py", "--check", "--accelerate_config", "configs/fsdp_config_qlora.yaml",
+            "configs/llama2_70b_chat_sft.yaml", "--model_name_or_path", str(tiny_model_dir), "--dataset_name",
+            str(chat_dir), "--use_4bit_quantization", "true", "--use_reentrant", "true"]
+    bad = subprocess.run([*base, "--bnb_4bit_quant_storage_dtype", "uint8", "--optim", "paged_adamw_8bit"],
+                         cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and "uint8" in errors[0] and "paged_adamw_8bit" in errors[1]
+    good = subprocess.run(base, cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0, good.stderr
+    assert "check passed" in good.stdout and "Loading weights" not in good.stderr + good.stdout
