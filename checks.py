@@ -101,6 +101,7 @@ class Setup:
     here: bool = True
     model_config: Any = None  # the model's transformers config, when it could be read without weights
     added_tokens: int | None = None  # tokens the chat template adds to the vocabulary, once the tokenizer is known
+    gpu_gib: float | None = None  # memory of each GPU the run gets (this machine's, or --gpu_gib when checking)
 
     @property
     def quantized_4bit(self) -> bool:
@@ -379,12 +380,54 @@ def resume_checkpoint(s: Setup) -> Problem | None:
     return None
 
 
+def planned_run(s: Setup):
+    """The memory planner's description of this run."""
+    from memory import Run
+
+    launch, training = s.launch, s.training
+    engine = "fsdp" if launch.fsdp else "deepspeed" if launch.deepspeed else "ddp" if launch.num_processes > 1 else "none"
+    optim = str(getattr(training.optim, "value", training.optim))
+    method = "qlora" if s.quantized_4bit else "lora" if s.uses_peft else "full"
+    offload = launch.fsdp_setting("OFFLOAD_PARAMS") or launch.env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+                                                                      "none") not in ("none", "")
+    strategy = launch.env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+    reshard = launch.env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
+    grad_op = strategy == "SHARD_GRAD_OP" if launch.fsdp_version == 1 else reshard == "false"
+    return Run(method=method, engine=engine, sharding="grad_op" if grad_op else "full",
+               zero_stage=launch.zero_stage or 3, offload=offload, gpus=launch.num_processes,
+               batch=training.per_device_train_batch_size, seq=training.max_length or 1024,
+               checkpointing=bool(training.activation_checkpointing),
+               optimizer="sgd" if optim == "sgd" else "adamw_8bit" if "8bit" in optim else "adamw",
+               lora_r=s.model.lora_r, lora_dropout=s.model.lora_dropout, nested_quant=s.model.use_nested_quant,
+               device="cuda" if s.cuda else "cpu", precision="bf16" if training.bf16 or s.quantized_4bit else "fp32")
+
+
+def memory_plan(s: Setup):
+    from memory import Shapes, plan
+
+    return plan(Shapes.of(s.model_config), planned_run(s))
+
+
+def memory_fit(s: Setup) -> Problem | None:
+    if not (s.gpu_gib and s.model_config is not None and s.cuda):
+        return None
+    from memory import ALLOCATOR_HEADROOM
+
+    needed = memory_plan(s).per_gpu_total
+    if needed * ALLOCATOR_HEADROOM <= s.gpu_gib:
+        return None
+    return Problem("warning", f"the memory plan needs about {needed:.1f} GiB per GPU ({needed * ALLOCATOR_HEADROOM:.1f} "
+                   f"GiB with allocator headroom), the GPUs have {s.gpu_gib:.0f} GiB", "the run would likely go out "
+                   "of memory", "lower --per_device_train_batch_size or --max_length, turn on "
+                   "--activation_checkpointing, add GPUs, or offload (see `python memory.py --help`)")
+
+
 RULES: list[Callable[[Setup], Problem | None]] = [
     model_source, dataset_source, flash_attention, bf16_support, fp16_without_gpu, engine_without_gpu,
     quant_storage_dtype, eight_bit_with_fsdp, bnb_optimizer_with_fsdp, qlora_fsdp_loading, ram_efficient_without_sync,
     fsdp2_qlora_loading, zero3_qlora_replicated, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,
-    added_tokens_under_fsdp, no_layer_class_to_wrap, resume_checkpoint,
+    added_tokens_under_fsdp, no_layer_class_to_wrap, resume_checkpoint, memory_fit,
 ]
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import set_seed
 
 from arguments import ConfigError, parse_arguments
-from checks import Launch, Problem, Setup, added_tokens_under_fsdp, preflight, read_model_config
+from checks import Launch, Problem, Setup, added_tokens_under_fsdp, memory_plan, preflight, read_model_config
 from distributed import launch_environment, trainer_class
 from evaluate import evaluate_exact_match, heldout_examples
 from utils import DEFAULT_MODEL_DIR, build_datasets, build_model, build_peft_config, build_tokenizer
@@ -51,20 +51,26 @@ def report_added_tokens(setup: Setup, added_token_ids: list[int]) -> None:
     report([problem for problem in [added_tokens_under_fsdp(setup)] if problem])
 
 
-def take_mode_flags(argv: list[str]) -> tuple[list[str], bool, str | None]:
-    """`--check` (check and exit) and `--accelerate_config FILE` (the settings --check assumes) are modes of this
-    script, not training arguments: take them out before parsing."""
-    argv, check, accelerate_config = list(argv), False, None
-    if "--check" in argv:
+def take_mode_flags(argv: list[str]) -> tuple[list[str], bool, str | None, float | None]:
+    """`--check` (check and exit), and for it `--accelerate_config FILE` (the launch to assume) and `--gpu_gib N`
+    (the memory of its GPUs), are modes of this script, not training arguments: take them out before parsing."""
+    argv, check = list(argv), "--check" in argv
+    if check:
         argv.remove("--check")
-        check = True
-    if "--accelerate_config" in argv:
-        at = argv.index("--accelerate_config")
-        if at + 1 >= len(argv):
-            fail(["--accelerate_config needs a file: --accelerate_config configs/fsdp2_config.yaml"])
-        accelerate_config = argv[at + 1]
-        del argv[at : at + 2]
-    return argv, check, accelerate_config
+    values = {}
+    for flag, example in (("--accelerate_config", "configs/fsdp2_config.yaml"), ("--gpu_gib", "80")):
+        if flag in argv:
+            at = argv.index(flag)
+            if at + 1 >= len(argv):
+                fail([f"{flag} needs a value: {flag} {example}"])
+            values[flag] = argv[at + 1]
+            del argv[at : at + 2]
+    gpu_gib = values.get("--gpu_gib")
+    try:
+        gpu_gib = float(gpu_gib) if gpu_gib is not None else None
+    except ValueError:
+        fail([f"--gpu_gib {gpu_gib}: not a number of GiB, e.g. --gpu_gib 80"])
+    return argv, check, values.get("--accelerate_config"), gpu_gib
 
 
 def launch_in_effect(accelerate_config: str | None) -> tuple[Launch, bool]:
@@ -94,7 +100,7 @@ def resolve_resume_checkpoint(training_args) -> str | None:
 def run(argv: list[str] | None = None):
     """The whole recipe; returns the trainer and a summary of the run (losses, held-out exact match, seconds)."""
     started = time.time()
-    argv, check_only, accelerate_config = take_mode_flags(sys.argv[1:] if argv is None else argv)
+    argv, check_only, accelerate_config, gpu_gib = take_mode_flags(sys.argv[1:] if argv is None else argv)
     try:
         model_args, data_args, training_args, _ = parse_arguments(argv)
     except ConfigError as err:
@@ -103,8 +109,15 @@ def run(argv: list[str] | None = None):
     setup = Setup(model_args, data_args, training_args, launch, here=not elsewhere,
                   cuda=torch.cuda.is_available() or elsewhere,
                   model_config=read_model_config(model_args.model_name_or_path, training_args.trust_remote_code))
+    if gpu_gib is None and setup.here and setup.cuda:
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    setup.gpu_gib = gpu_gib
     report(preflight(setup))
     if check_only:
+        if setup.model_config is not None:
+            plan = memory_plan(setup)
+            where = f"{plan.per_gpu_total:.1f} GiB per GPU, " if plan.per_gpu else ""
+            log(f"memory plan: {where}{plan.host_total:.1f} GiB host RAM (`python memory.py` for the breakdown)")
         if setup.model_config is not None:  # the tokenizer is readable too: does the chat template add tokens?
             report_added_tokens(setup, build_tokenizer(model_args, training_args.trust_remote_code)[1])
         log("check passed: no error in this configuration (data and weights were not read"

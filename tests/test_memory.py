@@ -1,0 +1,80 @@
+"""Memory planner: counts from the meta model are exact; the arithmetic behaves; published points are near."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checks
+from memory import ALLOCATOR_HEADROOM, GIB, Run, Shapes, load_config, plan
+from utils import REPO_DIR
+
+
+def test_counts_match_the_real_model_and_peft(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    shapes = Shapes.of(load_config(str(tiny_model_dir)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert shapes.total == sum(p.numel() for p in model.parameters())
+    peft_model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert shapes.lora_per_rank * 16 == trainable
+
+
+def test_config_json_and_presets_load(tiny_model_dir):
+    assert Shapes.of(load_config(str(tiny_model_dir / "config.json"))).num_layers == 2
+    assert Shapes.of(load_config("llama-2-70b")).total == pytest.approx(68.98e9, rel=0.01)  # 70B: 69.0 B params
+
+
+def gib(run: Run, model="llama-2-7b"):
+    return plan(Shapes.of(load_config(model)), run)
+
+
+def test_the_arithmetic_moves_the_right_way():
+    base = Run(method="lora", engine="fsdp", gpus=8, batch=4, seq=2048)
+    assert gib(base).per_gpu["weights (frozen)"] == pytest.approx(
+        gib(Run(method="lora", engine="none", batch=4, seq=2048)).per_gpu["weights (frozen)"] / 8)
+    assert gib(Run(**{**base.__dict__, "checkpointing": False})).per_gpu["activations"] > \
+        3 * gib(base).per_gpu["activations"]
+    qlora = gib(Run(**{**base.__dict__, "method": "qlora"}))
+    assert qlora.per_gpu["weights (frozen)"] < 0.4 * gib(base).per_gpu["weights (frozen)"]
+    offload = gib(Run(**{**base.__dict__, "offload": True}))
+    assert offload.per_gpu["weights (frozen)"] == 0 and offload.host["weights (frozen)"] > 0
+    full = gib(Run(**{**base.__dict__, "method": "full", "engine": "deepspeed"}))
+    assert full.per_gpu["optimizer state"] > 10 * gib(base).per_gpu["optimizer state"]
+
+
+@pytest.mark.parametrize("run, published_gib, tolerance", [
+    # PEFT's published figures for Llama-2-70B (GB converted to GiB); the planner's reserved estimate must land near.
+    (Run(method="lora", engine="fsdp", gpus=8, batch=8, seq=2048), 76 * 1e9 / GIB, 0.2),
+    (Run(method="qlora", engine="fsdp", gpus=2, batch=2, seq=2048, offload=True), 19.6 * 1e9 / GIB, 0.35),
+    (Run(method="qlora", engine="fsdp", gpus=2, batch=2, seq=2048), 35.6 * 1e9 / GIB, 0.2),
+], ids=["lora-fsdp-8xH100", "qlora-fsdp-offload-2x24GB", "qlora-fsdp-no-offload"])
+def test_published_reference_points(run, published_gib, tolerance):
+    reserved = gib(run, "llama-2-70b").per_gpu_total * ALLOCATOR_HEADROOM
+    assert reserved == pytest.approx(published_gib, rel=tolerance)
+
+
+def test_preflight_warns_when_the_plan_does_not_fit(tiny_model_dir):
+    from transformers import AutoConfig
+
+    from arguments import parse_arguments
+
+    model_args, data_args, training_args, _ = parse_arguments(["--per_device_train_batch_size", "64",
+                                                               "--max_length", "4096"])
+    setup = checks.Setup(model_args, data_args, training_args, checks.Launch(), cuda=True,
+                         model_config=AutoConfig.from_pretrained(tiny_model_dir), gpu_gib=24)
+    assert checks.memory_fit(setup).level == "warning"
+    setup.gpu_gib = 4000
+    assert checks.memory_fit(setup) is None
+
+
+def test_command_prints_breakdown_assumptions_and_verdict():
+    result = subprocess.run([sys.executable, "memory.py", "--model", "llama-2-70b", "--method", "qlora", "--engine",
+                             "fsdp", "--gpus", "2", "--offload", "--batch", "2", "--seq", "2048", "--gpu_gib", "24"],
+                            cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for expected in ("per GPU:", "activations", "host RAM:", "weights (frozen)", "assumptions:", "fits in 24 GiB"):
+        assert expected in result.stdout
