@@ -68,6 +68,27 @@ def generate_answers(model, tokenizer, prompts: list, max_new_tokens: int = 32, 
     return [a.strip() for a in answers]
 
 
+@torch.no_grad()
+def heldout_loss(model, tokenizer, dataset, num_examples: int, text_field: str = "text") -> float:
+    """Mean loss per supervised token (the assistant turns / completions) over held-out examples."""
+    from utils import IGNORE_INDEX, detect_format, tokenize_example
+
+    data_format = detect_format(dataset.column_names, text_field)
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    for row in dataset.select(range(min(num_examples, len(dataset)))):
+        example = tokenize_example(row, tokenizer, data_format, text_field, False, data_format != "conversational")
+        labels = torch.tensor([example["labels"]], device=model.device)
+        logits = model(input_ids=torch.tensor([example["input_ids"]], device=model.device)).logits.float()
+        losses = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="sum",
+                                                   ignore_index=IGNORE_INDEX)
+        total += losses.item()
+        count += int((labels[0, 1:] != IGNORE_INDEX).sum())
+    model.train(was_training)
+    return total / max(count, 1)
+
+
 def evaluate_exact_match(model, tokenizer, heldout: HeldOut, max_new_tokens: int) -> tuple[float, list[str]]:
     predictions = generate_answers(model, tokenizer, heldout.prompts, max_new_tokens)
     return exact_match(predictions, heldout.references), predictions
@@ -101,15 +122,18 @@ def main() -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # the adapter's template added tokens
     results = {"base": evaluate_exact_match(model, tokenizer, heldout, args.max_new_tokens)}
+    losses = {"base": heldout_loss(model, tokenizer, raw[args.split], args.num_prompts)}
     if args.adapter:
         model = PeftModel.from_pretrained(model, args.adapter)
         results["adapter"] = evaluate_exact_match(model, tokenizer, heldout, args.max_new_tokens)
+        losses["adapter"] = heldout_loss(model, tokenizer, raw[args.split], args.num_prompts)
     for name, (score, _) in results.items():
-        print(f"{name:8s} exact match {score:.1%} on {len(heldout.references)} {args.split} prompts")
+        print(f"{name:8s} loss {losses[name]:.4f}  exact match {score:.1%}  on {len(heldout.references)} "
+              f"{args.split} examples")
     for i in range(min(args.show, len(heldout.references))):
         print(f"\nreference: {heldout.references[i]}")
         for name, (_, predictions) in results.items():
-            print(f"{name:9s}: {predictions[i]}")
+            print(f"{name:9s}: {predictions[i]!r}")
 
 
 if __name__ == "__main__":

@@ -14,14 +14,18 @@ import math
 import os
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
-from transformers import set_seed
+from transformers import TrainerCallback, set_seed
 
 from arguments import ConfigError, parse_arguments
 from checks import Launch, Problem, Setup, added_tokens_under_fsdp, memory_plan, preflight, read_model_config
 from distributed import launch_environment, trainer_class
+from report import TRAINING_KEYS, write_run_report
 from evaluate import evaluate_exact_match, heldout_examples
+from export import publish
 from utils import DEFAULT_MODEL_DIR, build_datasets, build_model, build_peft_config, build_tokenizer
 from utils import convert_default_model, load_raw_datasets
 
@@ -49,6 +53,17 @@ def report(problems: list[Problem]) -> None:
 def report_added_tokens(setup: Setup, added_token_ids: list[int]) -> None:
     setup.added_tokens = len(added_token_ids)
     report([problem for problem in [added_tokens_under_fsdp(setup)] if problem])
+
+
+class AdapterConfigInCheckpoints(TrainerCallback):
+    """Write adapter_config.json and the tokenizer into every checkpoint, so a sharded FSDP checkpoint (DCP files
+    only) can be turned into a loadable adapter on its own: `python export.py consolidate <checkpoint>`."""
+
+    def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if state.is_world_process_zero and hasattr(model, "peft_config"):
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            model.peft_config["default"].save_pretrained(folder)
+            processing_class.save_pretrained(folder)
 
 
 def take_mode_flags(argv: list[str]) -> tuple[list[str], bool, str | None, float | None]:
@@ -159,6 +174,9 @@ def run(argv: list[str] | None = None):
         log(f"held-out exact match before training: {summary['exact_match_before']:.1%} "
             f"({len(heldout.references)} {eval_split} prompts)")
 
+    # The recipe publishes once, at the end, a folder it has built and checked (export.publish); not the Trainer.
+    publish_to = training_args.hub_model_id or Path(training_args.output_dir).name if training_args.push_to_hub else None
+    training_args.push_to_hub = False
     trainer = trainer_class()(
         model=model,
         args=training_args,
@@ -166,6 +184,7 @@ def run(argv: list[str] | None = None):
         eval_dataset=datasets.get(eval_split) if eval_split else None,
         processing_class=tokenizer,
         peft_config=build_peft_config(model_args, added_token_ids),
+        callbacks=[AdapterConfigInCheckpoints()],
     )
     if model_args.use_peft_lora and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
@@ -186,9 +205,14 @@ def run(argv: list[str] | None = None):
             question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
             log(f"  {question!r} -> {prediction!r} (reference {reference!r})")
         log(f"held-out exact match: {summary['exact_match_before']:.1%} before, {summary['exact_match_after']:.1%} after")
-    if training_args.push_to_hub:
-        trainer.push_to_hub()
     summary["seconds"] = time.time() - started
+    if trainer.accelerator.is_main_process:
+        arguments = {**asdict(model_args), **asdict(data_args),
+                     **{key: getattr(training_args, key) for key in TRAINING_KEYS}}
+        hardware = f"{world_size} x {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}"
+        write_run_report(training_args.output_dir, arguments, summary, trainer.state.log_history, hardware)
+        if publish_to:
+            log(f"published to {publish(Path(training_args.output_dir), publish_to, training_args.hub_private_repo)}")
     log(f"done in {summary['seconds']:.0f} s: train loss {summary['train_loss']:.4f}"
         + (f", eval loss {summary['eval_loss']:.4f}" if not math.isnan(summary.get("eval_loss", math.nan)) else "")
         + f"; adapter and tokenizer in {training_args.output_dir}")

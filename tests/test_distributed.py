@@ -26,7 +26,8 @@ def recipe_args(model_dir, data_dir, out, batch_size, quantized):
             "--max_steps", "3", "--per_device_train_batch_size", str(batch_size), "--optim", "sgd",
             "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--lora_dropout", "0",
             "--logging_steps", "1", "--bf16", "false", "--eval_num_prompts", "0", "--splits", "train",
-            "--disable_tqdm", "true", *(["--use_4bit_quantization", "true"] if quantized else [])]
+            "--disable_tqdm", "true", "--save_strategy", "steps", "--save_steps", "3",
+            *(["--use_4bit_quantization", "true"] if quantized else [])]
 
 
 def launch_two_processes(args, config):
@@ -90,3 +91,24 @@ def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, chat_dir, tmp
         logits = reloaded(**batch).logits.float()
     torch.testing.assert_close(logits, torch.load(tmp_path / "fsdp" / "sharded_logits.pt"),
                                **(dict(rtol=0, atol=0) if quantized else dict(rtol=0, atol=1e-5)))
+
+
+def test_sharded_checkpoint_consolidates_into_the_adapter(tiny_model_dir, chat_dir, tmp_path):
+    """The intermediate FSDP checkpoint (DCP shards) of a 2-process run becomes a plain adapter folder that holds
+    exactly what the run's final full-state-dict save wrote at the same step."""
+    from export import consolidate
+
+    launch_two_processes(recipe_args(tiny_model_dir, chat_dir, tmp_path / "fsdp", 2, False),
+                         REPO_DIR / "configs" / "fsdp2_config.yaml")
+    checkpoint = tmp_path / "fsdp" / "checkpoint-3"
+    assert (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert not (checkpoint / "adapter_model.safetensors").exists()  # sharded: not loadable as it is
+    adapter = consolidate(checkpoint)
+    consolidated, final = load_file(adapter / "adapter_model.safetensors"), load_file(
+        tmp_path / "fsdp" / "adapter_model.safetensors")
+    assert consolidated.keys() == final.keys()
+    for name in final:
+        assert torch.equal(consolidated[name], final[name])
+    model_args, _, training_args, _ = parse_arguments(recipe_args(tiny_model_dir, chat_dir, tmp_path / "x", 4, False))
+    tokenizer, added = build_tokenizer(model_args)
+    PeftModel.from_pretrained(build_model(model_args, training_args, tokenizer, added), adapter)  # loads

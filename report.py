@@ -1,0 +1,119 @@
+"""What a person reads after a run: the training curves as a PNG and the model card of the adapter.
+
+Both are written from `run_summary.json`, which train.py leaves in the output folder (arguments, hardware, losses,
+held-out metrics, the log history).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SUMMARY_FILE = "run_summary.json"
+PLOT_FILE = "training_curves.png"
+
+
+def plot_history(log_history: list[dict], path: Path) -> Path:
+    """Train and eval loss, and the learning rate, against the optimizer step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key):
+        points = [(entry["step"], entry[key]) for entry in log_history if key in entry and "step" in entry]
+        return zip(*points) if points else ((), ())
+
+    fig, (loss_ax, lr_ax) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for key, label, style in (("loss", "train", "-"), ("eval_loss", "eval", "o--")):
+        steps, values = series(key)
+        if steps:
+            loss_ax.plot(steps, values, style, label=label)
+    loss_ax.set(xlabel="step", ylabel="loss", title="loss")
+    losses = [entry[key] for entry in log_history for key in ("loss", "eval_loss") if key in entry]
+    if losses and min(losses) > 0 and max(losses) / min(losses) > 20:
+        loss_ax.set_yscale("log")  # fine-tuning losses often fall by orders of magnitude
+    loss_ax.legend()
+    steps, values = series("learning_rate")
+    lr_ax.plot(steps, values)
+    lr_ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def model_card(summary: dict) -> str:
+    """A README.md for the adapter's Hub repo, from run_summary.json."""
+    args, results = summary["arguments"], summary["results"]
+    method = "QLoRA (4-bit NF4 base)" if args.get("use_4bit_quantization") else "LoRA"
+    base, dataset = args["model_name_or_path"], args["dataset_name"]
+    metrics = [f"- train loss: {results['train_loss']:.4f} after {results['train_steps']} steps"]
+    if results.get("eval_loss") is not None:
+        metrics.append(f"- eval loss: {results['eval_loss']:.4f}")
+    if results.get("exact_match_after") is not None:
+        metrics.append(f"- held-out exact match: {results['exact_match_before']:.1%} before, "
+                       f"{results['exact_match_after']:.1%} after")
+    hyper = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "learning_rate", "lr_scheduler_type",
+             "per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing", "max_steps",
+             "num_train_epochs", "bf16", "chat_template_format"]
+    table = "\n".join(f"| {key} | {args[key]} |" for key in hyper if key in args)
+    plot = f"\n![training curves]({PLOT_FILE})\n" if summary.get("plot") else ""
+    return f"""---
+base_model: {base}
+library_name: peft
+tags: [sft, {'qlora' if args.get('use_4bit_quantization') else 'lora'}, trl]
+---
+
+# {method} adapter for {base}
+
+Fine-tuned on `{dataset}` with supervised fine-tuning (TRL `SFTTrainer`), loss on the assistant turns only.
+
+## Results
+
+{chr(10).join(metrics)}
+{plot}
+## Training
+
+- method: {method}
+- hardware: {summary['hardware']}
+- date: {summary['date']}
+
+| setting | value |
+|---|---|
+{table}
+
+## Use
+
+```python
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
+
+model = AutoPeftModelForCausalLM.from_pretrained("<this repo>")
+tokenizer = AutoTokenizer.from_pretrained("<this repo>")
+```
+"""
+
+
+# Training arguments worth recording; an explicit list, so no token or credential can slip into the summary.
+TRAINING_KEYS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "optim",
+                 "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
+                 "max_length", "packing", "bf16", "fp16", "activation_checkpointing", "seed")
+
+
+def write_run_report(out_dir: Path, arguments: dict, results: dict, log_history: list[dict], hardware: str) -> dict:
+    """run_summary.json and training_curves.png in the output folder."""
+    import datetime
+
+    plot = plot_history(log_history, Path(out_dir) / PLOT_FILE)
+    summary = {"date": datetime.date.today().isoformat(), "hardware": hardware, "arguments": arguments,
+               "results": results, "plot": plot.is_file(), "log_history": log_history}
+    (Path(out_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def read_summary(out_dir: Path) -> dict:
+    path = Path(out_dir) / SUMMARY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: point to the output folder of a train.py run.")
+    return json.loads(path.read_text())
