@@ -125,8 +125,15 @@ class DataArguments:
         metadata={"help": "Held-out chat prompts answered before and after training for exact match (0 disables)."},
     )
     eval_max_new_tokens: int = field(default=32, metadata={"help": "Token budget for each held-out answer."})
+    bad_examples: str = field(
+        default="stop",
+        metadata={"help": "stop: a malformed example (bad JSON, missing column, unknown role, empty answer, answer cut "
+                  "by --max_length, non-UTF-8) stops the run, naming file and line. skip: leave such examples out, "
+                  "counted and reported.", "choices": ("stop", "skip")},
+    )
 
     def __post_init__(self):
+        _require_choice("bad_examples", self.bad_examples, ("stop", "skip"))
         names = [s.strip() for s in self.splits.split(",") if s.strip()]
         unknown = [s for s in names if s not in ("train", "test", "validation")]
         if unknown:

@@ -113,7 +113,7 @@ def main() -> None:
 
     if args.model_name_or_path == DEFAULT_MODEL_DIR:
         convert_default_model()
-    raw = load_raw_datasets(argparse.Namespace(dataset_name=args.dataset_name, split_names=[args.split]))
+    raw, _, _ = load_raw_datasets(argparse.Namespace(dataset_name=args.dataset_name, split_names=[args.split]))
     heldout = heldout_examples(raw[args.split], args.num_prompts)
     if heldout is None:
         raise SystemExit(f"error: the {args.split} split is plain text; exact match needs chat or prompt/completion data.")

@@ -22,12 +22,13 @@ from transformers import TrainerCallback, set_seed
 
 from arguments import ConfigError, parse_arguments
 from checks import Launch, Problem, Setup, added_tokens_under_fsdp, memory_plan, preflight, read_model_config
+from data_validation import DataError, summarize
 from distributed import launch_environment, trainer_class
-from report import TRAINING_KEYS, write_run_report
 from evaluate import evaluate_exact_match, heldout_examples
 from export import publish
+from report import TRAINING_KEYS, write_run_report
 from utils import DEFAULT_MODEL_DIR, build_datasets, build_model, build_peft_config, build_tokenizer
-from utils import convert_default_model, load_raw_datasets
+from utils import convert_default_model, drop_bad, load_raw_datasets, token_counts
 
 
 def log(message: str) -> None:
@@ -151,15 +152,24 @@ def run(argv: list[str] | None = None):
             convert_default_model()
         tokenizer, added_token_ids = build_tokenizer(model_args, training_args.trust_remote_code)
         report_added_tokens(setup, added_token_ids)
-        raw = load_raw_datasets(data_args)
-        datasets, data_format = build_datasets(raw, tokenizer, data_args, training_args)
+        raw, bad, data_format = load_raw_datasets(data_args, training_args.dataset_text_field)
+        tokenized, cut = build_datasets(raw, data_format, tokenizer, data_args, training_args)
+        bad += cut
+        if bad and data_args.bad_examples == "stop":
+            raise DataError(bad, sum(len(split) for split in raw.values()) + len(bad) - len(cut))
     except (ValueError, FileNotFoundError) as err:
         fail([str(err)])
     except Exception as err:  # datasets' own parse errors: name the source
         fail([f"could not read dataset {data_args.dataset_name}: {type(err).__name__}: {err}"])
+    if bad:
+        log(f"skipped {len(bad)} bad examples ({summarize(bad)}), first: {bad[0]}")
+    datasets = drop_bad(tokenized, bad)
     eval_split = data_args.eval_split
+    counts = token_counts(datasets["train"])
     log(f"data: {data_args.dataset_name} ({data_format}), "
-        + ", ".join(f"{split} {len(ds)} examples" for split, ds in datasets.items()))
+        + ", ".join(f"{split} {len(ds)} examples" for split, ds in datasets.items())
+        + f"; training on {counts['examples']} examples, {counts['tokens']} tokens "
+          f"({counts['supervised_tokens']} supervised) per epoch")
     heldout = None
     if eval_split and data_args.eval_num_prompts > 0 and world_size == 1:
         heldout = heldout_examples(raw[eval_split], data_args.eval_num_prompts)
@@ -194,6 +204,8 @@ def run(argv: list[str] | None = None):
     if trainer.is_fsdp_enabled:  # gather the adapter on rank 0 so the final folder is a plain PEFT adapter
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model()
+    summary.update(trained_examples=counts["examples"], trained_tokens=counts["tokens"],
+                   skipped_examples=len(bad))
     summary["train_loss"] = result.training_loss
     summary["train_steps"] = result.global_step
     if eval_split and training_args.eval_strategy == "no" and world_size == 1:

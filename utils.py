@@ -222,41 +222,77 @@ def build_peft_config(model_args, added_token_ids: list[int]):
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_raw_datasets(data_args):
-    """Returns a DatasetDict with the requested splits, from the Hub (cache), split files, or a saved folder."""
+def _read_split(source: Path, split: str, dataset_name: str):
+    """One split as JSON records (local .json/.jsonl: read line by line, so problems have line numbers) or as a
+    Dataset (CSV, Parquet, save_to_disk folders, the Hub), plus the lines that could not be parsed."""
     from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
-    source = Path(data_args.dataset_name).expanduser()
-    splits = data_args.split_names
-    out = DatasetDict()
+    from data_validation import read_json_records
+
     if source.is_file():
         if source.suffix not in DATA_SUFFIXES:
             raise ValueError(f"{source} is not a {', '.join(DATA_SUFFIXES)} file; convert it to one of those.")
-        if splits != ["train"]:
-            raise ValueError(f"{source} is a single file, read as the train split; pass --splits train, or point "
-                             "--dataset_name to a folder holding train.jsonl and test.jsonl.")
-        out["train"] = load_dataset(DATA_SUFFIXES[source.suffix], data_files=str(source), split="train")
-        return out
-    if source.is_dir():
+        file = source
+    elif source.is_dir():
         if (source / "dataset_dict.json").is_file() or (source / "dataset_info.json").is_file():
             saved = load_from_disk(str(source))
             saved = DatasetDict(train=saved) if isinstance(saved, Dataset) else saved
-            missing = [s for s in splits if s not in saved]
-            if missing:
-                raise ValueError(f"{source} has splits {list(saved)}, not {missing}; adjust --splits.")
-            return DatasetDict({s: saved[s] for s in splits})
-        for split in splits:
-            if (source / split / "dataset_info.json").is_file():  # the reference recipe's layout: one folder a split
-                out[split] = load_from_disk(str(source / split))
+            if split not in saved:
+                raise ValueError(f"{source} has splits {list(saved)}, not {split}; adjust --splits.")
+            return saved[split], []
+        if (source / split / "dataset_info.json").is_file():  # the reference recipe's layout: one folder a split
+            return load_from_disk(str(source / split)), []
+        files = [source / f"{split}{suffix}" for suffix in DATA_SUFFIXES if (source / f"{split}{suffix}").is_file()]
+        if not files:
+            raise ValueError(f"{source} has no {split}.jsonl/.json/.csv/.parquet file; add it or adjust --splits.")
+        file = files[0]
+    else:  # a Hub dataset; offline this reads the local cache
+        return load_dataset(dataset_name, split=split), []
+    if DATA_SUFFIXES[file.suffix] == "json":
+        return read_json_records(file)
+    return load_dataset(DATA_SUFFIXES[file.suffix], data_files=str(file), split="train"), []
+
+
+def load_raw_datasets(data_args, text_field: str = "text"):
+    """The requested splits, checked example by example.
+
+    Returns a DatasetDict (only the columns the format needs, plus each example's origin "file:line"), the bad
+    examples found (unparseable lines, wrong structure, unknown roles, empty answers), and the data format."""
+    from datasets import Dataset, DatasetDict
+
+    from data_validation import ORIGIN, BadExample, check_example
+
+    source = Path(data_args.dataset_name).expanduser()
+    splits = data_args.split_names
+    if source.is_file() and splits != ["train"]:
+        raise ValueError(f"{source} is a single file, read as the train split; pass --splits train, or point "
+                         "--dataset_name to a folder holding train.jsonl and test.jsonl.")
+    out, bad, data_format = DatasetDict(), [], None
+    for split in splits:
+        rows, unreadable = _read_split(source, split, data_args.dataset_name)
+        bad += unreadable
+        if isinstance(rows, Dataset):
+            name = source.name or data_args.dataset_name
+            rows = [{**row, ORIGIN: f"{name}:{split}[row {i}]"} for i, row in enumerate(rows)]
+        if data_format is None:
+            keys = sorted({key for row in rows[:100] for key in row} - {ORIGIN})
+            data_format = detect_format(keys, text_field)
+        columns = {"conversational": ["messages"], "prompt_completion": ["prompt", "completion"],
+                   "text": [text_field]}[data_format]
+        good = []
+        for row in rows:
+            problem = check_example(row, data_format, text_field)
+            if problem:
+                bad.append(BadExample(row[ORIGIN], problem))
                 continue
-            files = [source / f"{split}{suffix}" for suffix in DATA_SUFFIXES if (source / f"{split}{suffix}").is_file()]
-            if not files:
-                raise ValueError(f"{source} has no {split}.jsonl/.json/.csv/.parquet file; add it or adjust --splits.")
-            out[split] = load_dataset(DATA_SUFFIXES[files[0].suffix], data_files=str(files[0]), split="train")
-        return out
-    for split in splits:  # a Hub dataset; offline this reads the local cache
-        out[split] = load_dataset(data_args.dataset_name, split=split)
-    return out
+            if data_format == "conversational":  # role and content only: extra keys may differ in type per row
+                row = {**row, "messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]}
+            good.append({key: row[key] for key in (*columns, ORIGIN)})
+        if not good:
+            raise ValueError(f"the {split} split has no usable example ({len(rows)} read); "
+                             + (f"first problem: {bad[0]}" if bad else "it is empty"))
+        out[split] = Dataset.from_list(good)
+    return out, bad, data_format
 
 
 def detect_format(column_names: list[str], text_field: str) -> str:
@@ -330,26 +366,44 @@ def tokenize_example(example: dict, tokenizer, data_format: str, text_field: str
     return tokenize_with_spans(tokenizer, text, [(0, len(text))], add_special_tokens)
 
 
-def build_datasets(raw, tokenizer, data_args, training_args) -> tuple[dict, str]:
-    """Tokenize every split into `input_ids` + `labels` (SFTTrainer then truncates or packs). Returns them and the format."""
-    data_format = detect_format(raw["train"].column_names, training_args.dataset_text_field)
-    for split, dataset in raw.items():
-        if detect_format(dataset.column_names, training_args.dataset_text_field) != data_format:
-            raise ValueError(f"the {split} split has columns {dataset.column_names}, unlike the train split's "
-                             f"{data_format} format; give every split the same columns.")
+def build_datasets(raw, data_format: str, tokenizer, data_args, training_args) -> tuple[dict, list]:
+    """Tokenize every split into `input_ids` + `labels` (SFTTrainer then truncates or packs).
+
+    Returns the tokenized splits (with each example's origin) and the examples whose answer truncation to
+    max_length would cut, as bad examples."""
+    from data_validation import ORIGIN, BadExample, too_long
+
     if data_format == "conversational" and (data_args.add_special_tokens or not data_args.append_concat_token):
         raise ValueError("--add_special_tokens / --append_concat_token apply to text and prompt/completion data; chat "
                          "data takes its special and end-of-turn tokens from the chat template. Drop these flags, or "
                          "choose the template with --chat_template_format.")
-    tokenized = {
-        split: dataset.map(
+    tokenized, bad = {}, []
+    for split, dataset in raw.items():
+        dataset = dataset.map(
             tokenize_example,
             fn_kwargs=dict(tokenizer=tokenizer, data_format=data_format, text_field=training_args.dataset_text_field,
                            add_special_tokens=data_args.add_special_tokens,
                            append_concat_token=data_args.append_concat_token),
-            remove_columns=dataset.column_names,
+            remove_columns=[c for c in dataset.column_names if c != ORIGIN],
             desc=f"Tokenizing {split}",
         )
-        for split, dataset in raw.items()
-    }
-    return tokenized, data_format
+        for example in dataset:
+            if problem := too_long(example, training_args.max_length):
+                bad.append(BadExample(example[ORIGIN], problem))
+        tokenized[split] = dataset
+    return tokenized, bad
+
+
+def drop_bad(tokenized: dict, bad: list) -> dict:
+    """Leave the bad examples out (--bad_examples skip); returns the remaining splits without the origin column."""
+    from data_validation import ORIGIN
+
+    origins = {b.origin for b in bad}
+    return {split: dataset.filter(lambda example: example[ORIGIN] not in origins).remove_columns(ORIGIN)
+            for split, dataset in tokenized.items()}
+
+
+def token_counts(dataset) -> dict:
+    labels = dataset["labels"]
+    return {"examples": len(labels), "tokens": sum(len(x) for x in labels),
+            "supervised_tokens": sum(sum(1 for t in x if t != IGNORE_INDEX) for x in labels)}

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from utils import IGNORE_INDEX, build_datasets, build_tokenizer, detect_format, load_raw_datasets, tokenize_example
+from utils import IGNORE_INDEX, build_datasets, build_tokenizer, detect_format, drop_bad, load_raw_datasets
+from utils import tokenize_example
 
 CHAT = [
     {"role": "user", "content": "Convert this date to ISO format (YYYY-MM-DD): March 5, 2021"},
@@ -126,8 +127,9 @@ def test_every_local_source_loads(tmp_path, layout):
     else:
         DatasetDict(train=Dataset.from_list(rows), test=Dataset.from_list(rows[:2])).save_to_disk(tmp_path / "saved")
         source = tmp_path / "saved"
-    raw = load_raw_datasets(argparse.Namespace(dataset_name=str(source), split_names=splits.split(",")))
-    assert list(raw) == splits.split(",")
+    raw, bad, data_format = load_raw_datasets(argparse.Namespace(dataset_name=str(source),
+                                                                 split_names=splits.split(",")))
+    assert list(raw) == splits.split(",") and bad == [] and data_format == "text"
     assert raw["train"]["text"] == [r["text"] for r in rows]
 
 
@@ -138,10 +140,11 @@ def test_missing_split_file_names_the_file(tmp_path):
 
 
 def test_special_token_flags_are_refused_for_chat_data(smol_tokenizer, chat_dir):
-    raw = load_raw_datasets(argparse.Namespace(dataset_name=str(chat_dir), split_names=["train"]))
+    raw, _, data_format = load_raw_datasets(argparse.Namespace(dataset_name=str(chat_dir), split_names=["train"]))
     data_args = argparse.Namespace(add_special_tokens=True, append_concat_token=True)
     with pytest.raises(ValueError, match="--add_special_tokens / --append_concat_token apply to text"):
-        build_datasets(raw, smol_tokenizer, data_args, argparse.Namespace(dataset_text_field="text"))
+        build_datasets(raw, data_format, smol_tokenizer, data_args,
+                       argparse.Namespace(dataset_text_field="text", max_length=512))
 
 
 def per_token_losses(model, input_ids, labels, position_ids=None):
@@ -155,10 +158,12 @@ def test_packing_keeps_every_token_and_examples_do_not_see_their_neighbours(tiny
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    raw = load_raw_datasets(argparse.Namespace(dataset_name=str(chat_dir), split_names=["train"]))
+    raw, _, data_format = load_raw_datasets(argparse.Namespace(dataset_name=str(chat_dir), split_names=["train"]))
     raw["train"] = raw["train"].select(range(6))
     data_args = argparse.Namespace(add_special_tokens=False, append_concat_token=True)
-    datasets, _ = build_datasets(raw, smol_tokenizer, data_args, argparse.Namespace(dataset_text_field="text"))
+    tokenized, _ = build_datasets(raw, data_format, smol_tokenizer, data_args,
+                                  argparse.Namespace(dataset_text_field="text", max_length=512))
+    datasets = drop_bad(tokenized, [])
     examples = list(datasets["train"])
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     config = SFTConfig(output_dir="unused", packing=True, max_length=512, per_device_train_batch_size=1,

@@ -50,7 +50,7 @@ def test_missing_column(no_weights, capsys, tmp_path, tiny_model_dir):
     (tmp_path / "train.jsonl").write_text('{"question": "a", "answer": "b"}\n')
     line = refused(["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(tmp_path / "train.jsonl"),
                     "--splits", "train"], capsys)
-    assert "['question', 'answer']" in line and "--dataset_text_field" in line
+    assert "['answer', 'question']" in line and "--dataset_text_field" in line
 
 
 def test_missing_split_file(no_weights, capsys, tmp_path, tiny_model_dir):
@@ -94,11 +94,15 @@ def test_missing_resume_checkpoint(no_weights, capsys, tmp_path):
     assert "no such checkpoint folder" in line
 
 
-def test_malformed_jsonl_names_the_dataset(no_weights, capsys, tmp_path, tiny_model_dir):
+def test_malformed_jsonl_names_file_and_line(no_weights, capsys, tmp_path, tiny_model_dir):
     (tmp_path / "train.jsonl").write_text('{"text": "a"}\n{"text": \n')
-    line = refused(["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(tmp_path / "train.jsonl"),
-                    "--splits", "train"], capsys)
-    assert str(tmp_path / "train.jsonl") in line
+    with pytest.raises(SystemExit) as exit_info:
+        train.run(["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(tmp_path / "train.jsonl"),
+                   "--splits", "train"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: 1 of 2 examples are malformed" in err and "train.jsonl:2: not valid JSON" in err
+    assert "--bad_examples skip" in err
 
 
 def test_command_line_exit_code_and_message():

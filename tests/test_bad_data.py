@@ -1,0 +1,129 @@
+"""Bad data: each kind of malformed example is named by file and line; stop by default, or skip and count."""
+
+import argparse
+import json
+import random
+
+import pytest
+
+from data_validation import DataError
+from utils import build_datasets, load_raw_datasets
+
+GOOD = {"messages": [{"role": "user", "content": "Convert 1 May 2000"}, {"role": "assistant", "content": "2000-05-01"}]}
+BAD_LINES = {
+    "malformed JSON": ('{"messages": [', "not valid JSON"),
+    "missing column": (json.dumps({"mesages": GOOD["messages"]}), "messages is not a non-empty list"),
+    "unknown role": (json.dumps({"messages": [{"role": "human", "content": "x"}, GOOD["messages"][1]]}),
+                     "unknown role 'human'"),
+    "empty assistant turn": (json.dumps({"messages": [GOOD["messages"][0], {"role": "assistant", "content": " "}]}),
+                             "an empty assistant turn"),
+    "no assistant turn": (json.dumps({"messages": GOOD["messages"][:1]}), "no assistant turn"),
+    "content not text": (json.dumps({"messages": [GOOD["messages"][0], {"role": "assistant", "content": 5}]}),
+                         "content is not text"),
+    "not an object": ("[1, 2]", "a JSON list, not an object"),
+}
+
+
+def write(path, lines):
+    path.write_bytes(b"\n".join(line if isinstance(line, bytes) else line.encode() for line in lines) + b"\n")
+
+
+def load(path, policy="stop", max_length=512, tokenizer=None):
+    data_args = argparse.Namespace(dataset_name=str(path), split_names=["train"], add_special_tokens=False,
+                                   append_concat_token=True, bad_examples=policy)
+    raw, bad, data_format = load_raw_datasets(data_args)
+    if tokenizer is not None:
+        _, cut = build_datasets(raw, data_format, tokenizer, data_args,
+                                argparse.Namespace(dataset_text_field="text", max_length=max_length))
+        bad += cut
+    return raw, bad
+
+
+@pytest.mark.parametrize("kind", BAD_LINES)
+def test_each_kind_is_reported_with_file_and_line(tmp_path, kind):
+    line, reason = BAD_LINES[kind]
+    write(tmp_path / "train.jsonl", [json.dumps(GOOD), json.dumps(GOOD), line, json.dumps(GOOD)])
+    raw, bad = load(tmp_path / "train.jsonl")
+    assert [str(b).split(": ", 1)[0] for b in bad] == ["train.jsonl:3"]
+    assert reason in bad[0].reason
+    assert len(raw["train"]) == 3  # the good ones are all there
+
+
+def test_non_utf8_bytes(tmp_path):
+    write(tmp_path / "train.jsonl", [json.dumps(GOOD), b'{"text": "caf\xe9"}'])
+    _, bad = load(tmp_path / "train.jsonl")
+    assert str(bad[0]).startswith("train.jsonl:2: not UTF-8 text")
+
+
+def test_answer_cut_by_max_length(tmp_path, smol_tokenizer):
+    long = {"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]}
+    write(tmp_path / "train.jsonl", [json.dumps(GOOD), json.dumps(long)])
+    _, bad = load(tmp_path / "train.jsonl", max_length=128, tokenizer=smol_tokenizer)
+    assert len(bad) == 1 and bad[0].origin == "train.jsonl:2" and "longer than --max_length 128" in bad[0].reason
+
+
+def test_stop_lists_everything_then_skip_trains_without_and_counts(tmp_path, tiny_model_dir, capsys):
+    import train
+
+    lines = [json.dumps(GOOD)] * 20 + [BAD_LINES["unknown role"][0], BAD_LINES["malformed JSON"][0]]
+    write(tmp_path / "train.jsonl", lines)
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(tmp_path / "train.jsonl"),
+            "--splits", "train", "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--bf16", "false",
+            "--disable_tqdm", "true"]
+    with pytest.raises(SystemExit):
+        train.run(argv)
+    err = capsys.readouterr().err
+    assert "2 of 22 examples are malformed" in err and "train.jsonl:21" in err and "train.jsonl:22" in err
+    _, summary = train.run([*argv, "--bad_examples", "skip"])
+    out = capsys.readouterr().out
+    assert "skipped 2 bad examples" in out and "training on 20 examples" in out
+    assert summary["trained_examples"] == 20 and summary["skipped_examples"] == 2
+
+
+def test_fuzz_random_corruptions_never_crash_without_a_clear_message(tmp_path, smol_tokenizer):
+    """Random corruptions of a valid file: every outcome is a clean load or bad examples with file:line reasons."""
+    rng = random.Random(0)
+    valid = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]})
+             for i in range(12)]
+
+    def corrupt(line: str) -> bytes:
+        kind = rng.randrange(7)
+        data = line.encode()
+        if kind == 0:
+            return data[: rng.randrange(len(data))]  # truncated
+        if kind == 1:
+            position = rng.randrange(len(data))
+            return data[:position] + bytes([rng.randrange(256)]) + data[position + 1:]  # one random byte
+        row = json.loads(line)
+        if kind == 2:
+            row["messages"][rng.randrange(2)]["role"] = rng.choice(["bot", "", None, 3])
+        elif kind == 3:
+            row["messages"][1]["content"] = rng.choice(["", None, [], {"x": 1}])
+        elif kind == 4:
+            row = {rng.choice(["msgs", "text", "prompt"]): row["messages"]}
+        elif kind == 5:
+            row["messages"] = rng.choice([[], "hello", None, [1, 2]])
+        else:
+            row["messages"].append({"role": "assistant"})
+        return json.dumps(row).encode()
+
+    for trial in range(40):
+        lines = [corrupt(line) if rng.random() < 0.3 else line.encode() for line in valid]
+        path = tmp_path / f"fuzz{trial}.jsonl"
+        write(path, lines)
+        try:
+            raw, bad = load(path, tokenizer=smol_tokenizer)
+        except ValueError as err:  # e.g. no usable example left, or an unreadable column set: named, not a crash
+            assert "split" in str(err) or "columns" in str(err), err
+            continue
+        assert len(raw["train"]) + len(bad) <= len(lines) + 1
+        for b in bad:
+            assert b.origin.startswith(f"fuzz{trial}.jsonl:") and b.reason
+
+
+def test_stop_error_message_lists_and_points_to_skip():
+    from data_validation import BadExample
+
+    message = str(DataError([BadExample("a.jsonl:3", "not valid JSON")], 10))
+    assert "1 of 10 examples are malformed" in message and "a.jsonl:3: not valid JSON" in message
+    assert "--bad_examples skip" in message
