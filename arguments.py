@@ -125,6 +125,11 @@ class DataArguments:
         metadata={"help": "Held-out chat prompts answered before and after training for exact match (0 disables)."},
     )
     eval_max_new_tokens: int = field(default=32, metadata={"help": "Token budget for each held-out answer."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Allow training into an --output_dir that already holds another run (its adapter, "
+                  "checkpoints or report). Without it that run is kept and this one refused."},
+    )
     bad_examples: str = field(
         default="stop",
         metadata={"help": "stop: a malformed example (bad JSON, missing column, unknown role, empty answer, answer cut "

@@ -372,6 +372,30 @@ def no_layer_class_to_wrap(s: Setup) -> Problem | None:
     return None
 
 
+def output_dir_holds_another_run(s: Setup) -> Problem | None:
+    out = Path(s.training.output_dir)
+    if not s.here or s.training.resume_from_checkpoint or s.data.overwrite_output_dir or not out.is_dir():
+        return None
+    previous = [name for name in ("adapter_model.safetensors", "run_summary.json") if (out / name).exists()]
+    previous += [p.name for p in out.glob("checkpoint-*")][:1]
+    if previous:
+        return Problem("error", f"--output_dir {out} already holds a run ({', '.join(previous)})", "training would "
+                       "overwrite it", "--resume_from_checkpoint latest to continue it, another --output_dir, or "
+                       "--overwrite_output_dir true to replace it")
+    return None
+
+
+def output_dir_writable(s: Setup) -> Problem | None:
+    if not s.here:
+        return None
+    out = Path(s.training.output_dir).resolve()
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
+        return Problem("error", f"--output_dir {s.training.output_dir} cannot be created or written",
+                       f"{existing} is not a writable folder", "choose a folder you can write to")
+    return None
+
+
 def resume_checkpoint(s: Setup) -> Problem | None:
     resume = s.training.resume_from_checkpoint
     if resume and resume != "latest" and not Path(resume).is_dir():
@@ -427,7 +451,8 @@ RULES: list[Callable[[Setup], Problem | None]] = [
     quant_storage_dtype, eight_bit_with_fsdp, bnb_optimizer_with_fsdp, qlora_fsdp_loading, ram_efficient_without_sync,
     fsdp2_qlora_loading, zero3_qlora_replicated, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,
-    added_tokens_under_fsdp, no_layer_class_to_wrap, resume_checkpoint, memory_fit,
+    added_tokens_under_fsdp, no_layer_class_to_wrap, output_dir_holds_another_run, output_dir_writable,
+    resume_checkpoint, memory_fit,
 ]
 
 

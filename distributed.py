@@ -58,7 +58,10 @@ class CpuFsdpSFTTrainer(SFTTrainer):
 
 
 def trainer_class() -> type[SFTTrainer]:
-    return CpuFsdpSFTTrainer if needs_cpu_fsdp() else SFTTrainer
+    from checkpoints import CompleteCheckpointsMixin
+
+    base = CpuFsdpSFTTrainer if needs_cpu_fsdp() else SFTTrainer
+    return type(f"Recipe{base.__name__}", (CompleteCheckpointsMixin, base), {})
 
 
 def launch_environment(launch_args: list[str]) -> dict[str, str]:

@@ -10,6 +10,7 @@ before any weights load; a problem stops the run with a message that names the f
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import sys
@@ -18,9 +19,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback, set_seed
+from transformers import set_seed
 
 from arguments import ConfigError, parse_arguments
+from checkpoints import StopOnSignal, latest_complete
 from checks import Launch, Problem, Setup, added_tokens_under_fsdp, memory_plan, preflight, read_model_config
 from data_validation import DataError, summarize
 from distributed import launch_environment, trainer_class
@@ -56,15 +58,12 @@ def report_added_tokens(setup: Setup, added_token_ids: list[int]) -> None:
     report([problem for problem in [added_tokens_under_fsdp(setup)] if problem])
 
 
-class AdapterConfigInCheckpoints(TrainerCallback):
-    """Write adapter_config.json and the tokenizer into every checkpoint, so a sharded FSDP checkpoint (DCP files
-    only) can be turned into a loadable adapter on its own: `python export.py consolidate <checkpoint>`."""
-
-    def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if state.is_world_process_zero and hasattr(model, "peft_config"):
-            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            model.peft_config["default"].save_pretrained(folder)
-            processing_class.save_pretrained(folder)
+def keep_token_out_of_files(training_args) -> None:
+    """The Trainer pickles its arguments into every checkpoint (training_args.bin): a --hub_token there would be
+    written to disk. Hand it to huggingface_hub through the environment instead, and clear the field."""
+    if training_args.hub_token:
+        os.environ["HF_TOKEN"] = training_args.hub_token
+        training_args.hub_token = None
 
 
 def take_mode_flags(argv: list[str]) -> tuple[list[str], bool, str | None, float | None]:
@@ -104,13 +103,9 @@ def launch_in_effect(accelerate_config: str | None) -> tuple[Launch, bool]:
 
 
 def resolve_resume_checkpoint(training_args) -> str | None:
-    """`latest` means the newest checkpoint in output_dir, or a fresh start when there is none."""
-    from transformers.trainer_utils import get_last_checkpoint
-
+    """`latest` means the newest complete checkpoint in output_dir, or a fresh start when there is none."""
     resume = training_args.resume_from_checkpoint
-    if resume == "latest":
-        return get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-    return resume
+    return latest_complete(training_args.output_dir) if resume == "latest" else resume
 
 
 def run(argv: list[str] | None = None):
@@ -122,6 +117,7 @@ def run(argv: list[str] | None = None):
     except ConfigError as err:
         fail([str(err)])
     launch, elsewhere = launch_in_effect(accelerate_config)
+    keep_token_out_of_files(training_args)
     setup = Setup(model_args, data_args, training_args, launch, here=not elsewhere,
                   cuda=torch.cuda.is_available() or elsewhere,
                   model_config=read_model_config(model_args.model_name_or_path, training_args.trust_remote_code))
@@ -185,6 +181,7 @@ def run(argv: list[str] | None = None):
             f"({len(heldout.references)} {eval_split} prompts)")
 
     # The recipe publishes once, at the end, a folder it has built and checked (export.publish); not the Trainer.
+    stop_on_signal = StopOnSignal()  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
     publish_to = training_args.hub_model_id or Path(training_args.output_dir).name if training_args.push_to_hub else None
     training_args.push_to_hub = False
     trainer = trainer_class()(
@@ -194,12 +191,27 @@ def run(argv: list[str] | None = None):
         eval_dataset=datasets.get(eval_split) if eval_split else None,
         processing_class=tokenizer,
         peft_config=build_peft_config(model_args, added_token_ids),
-        callbacks=[AdapterConfigInCheckpoints()],
+        callbacks=[stop_on_signal],
     )
     if model_args.use_peft_lora and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
 
-    result = trainer.train(resume_from_checkpoint=resolve_resume_checkpoint(training_args))
+    trainer.resumed_from = resolve_resume_checkpoint(training_args)
+    if trainer.resumed_from:
+        log(f"resuming from {trainer.resumed_from}")
+    try:
+        result = trainer.train(resume_from_checkpoint=trainer.resumed_from)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+            raise
+        last = latest_complete(training_args.output_dir)
+        fail([f"cannot write to {training_args.output_dir}: {err.strerror} ({err.filename or 'while saving'}). Free "
+              "space or fix permissions, then continue with --resume_from_checkpoint latest"
+              + (f" (last complete checkpoint: {last})" if last else " (no complete checkpoint yet)")])
+    if stop_on_signal.received:
+        log(f"stopped by signal {stop_on_signal.received} at step {trainer.state.global_step}: checkpoint saved in "
+            f"{training_args.output_dir}; continue with --resume_from_checkpoint latest")
+        sys.exit(128 + stop_on_signal.received)
 
     if trainer.is_fsdp_enabled:  # gather the adapter on rank 0 so the final folder is a plain PEFT adapter
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")

@@ -180,6 +180,7 @@ def build_model(model_args, training_args, tokenizer, added_token_ids: list[int]
         attn_implementation="flash_attention_2" if model_args.use_flash_attn else "sdpa",
         trust_remote_code=training_args.trust_remote_code,  # off unless asked: it runs the Hub repo's code
         device_map=device_map,
+        use_safetensors=True,  # never unpickle weights
     )
     if added_token_ids:
         # Mean-resizing reads the existing rows, which sit on the meta device on ranks > 0 under FSDP RAM-efficient

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -21,6 +22,8 @@ def no_weights(monkeypatch):
 
 
 def refused(argv, capsys) -> str:
+    if "--output_dir" not in argv:  # a fresh folder: the default one may hold the demo's run
+        argv = [*argv, "--output_dir", tempfile.mkdtemp()]
     with pytest.raises(SystemExit) as exit_info:
         train.run(argv)
     assert exit_info.value.code == 2
@@ -98,7 +101,7 @@ def test_malformed_jsonl_names_file_and_line(no_weights, capsys, tmp_path, tiny_
     (tmp_path / "train.jsonl").write_text('{"text": "a"}\n{"text": \n')
     with pytest.raises(SystemExit) as exit_info:
         train.run(["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(tmp_path / "train.jsonl"),
-                   "--splits", "train"])
+                   "--splits", "train", "--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "error: 1 of 2 examples are malformed" in err and "train.jsonl:2: not valid JSON" in err

@@ -137,9 +137,13 @@ def test_exact_match_normalises_whitespace_case_and_a_final_period():
     assert exact_match(["2021-03-05.", " 2021-03-05 ", "March 5, 2021"], ["2021-03-05"] * 3) == pytest.approx(2 / 3)
 
 
-def test_resume_latest_without_checkpoint_starts_fresh(tmp_path):
+def test_resume_latest_picks_the_newest_complete_checkpoint(tmp_path):
+    from checkpoints import COMPLETE
+
     args = argparse.Namespace(resume_from_checkpoint="latest", output_dir=str(tmp_path))
     assert train.resolve_resume_checkpoint(args) is None
-    (tmp_path / "checkpoint-4").mkdir()
-    (tmp_path / "checkpoint-12").mkdir()
+    for step in (4, 12):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / COMPLETE).write_text("{}")
+    (tmp_path / "checkpoint-16").mkdir()  # half-written by a kill: no marker
     assert train.resolve_resume_checkpoint(args).endswith("checkpoint-12")

@@ -1,0 +1,109 @@
+"""Checkpoints that survive kills and preemption.
+
+- A checkpoint counts only once it is complete: after the Trainer has written it on every rank, rank 0 adds the
+  adapter config, the tokenizer, and last a `checkpoint_complete` marker. `latest` resumes from the newest
+  checkpoint with the marker, so a folder half-written by a kill is never picked up.
+- Rotation (`save_total_limit`) counts complete checkpoints only, never deletes the newest complete one nor the one
+  this run resumed from, and clears half-written folders older than the newest complete checkpoint.
+- SIGTERM (SLURM's warning before a kill) or SIGINT stops training at the end of the current step on every rank,
+  saves a checkpoint and exits with 128 + the signal number. A second signal kills at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+COMPLETE = "checkpoint_complete"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoints(output_dir: str | Path) -> list[tuple[int, Path, bool]]:
+    """(step, folder, complete) for every checkpoint-N folder, oldest first."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), path, (path / COMPLETE).is_file())
+             for path in folder.iterdir() if path.is_dir() and (m := CHECKPOINT.match(path.name))]
+    return sorted(found)
+
+
+def latest_complete(output_dir: str | Path) -> str | None:
+    complete = [path for _, path, done in checkpoints(output_dir) if done]
+    return str(complete[-1]) if complete else None
+
+
+def rotate(output_dir: str | Path, limit: int | None, protected: set[Path]) -> list[Path]:
+    """Keep the newest `limit` complete checkpoints plus the protected ones; drop stale half-written folders."""
+    found = checkpoints(output_dir)
+    complete = [path for _, path, done in found if done]
+    if not complete:
+        return []
+    newest_step = max(step for step, _, done in found if done)
+    doomed = [path for step, path, done in found if not done and step < newest_step]
+    if limit and limit > 0:
+        keep = set(complete[-limit:]) | {complete[-1]} | {p.resolve() for p in protected}
+        doomed += [path for path in complete if path.resolve() not in keep and path not in keep]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+class CompleteCheckpointsMixin:
+    """For a Trainer class: completion markers and safe rotation around the Trainer's own checkpoint save."""
+
+    resumed_from: str | None = None
+
+    def _save_checkpoint(self, model, trial) -> None:
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotation happens below, safely
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # every rank's shards are on disk
+        if self.args.should_save:
+            folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+            if hasattr(self.model, "peft_config"):  # lets `export.py consolidate` turn sharded files into an adapter
+                self.model.peft_config["default"].save_pretrained(folder)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(folder)
+            marker = folder / COMPLETE
+            with open(marker, "w") as f:
+                json.dump({"step": self.state.global_step, "time": time.time()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            rotate(self.args.output_dir, limit, {Path(self.resumed_from)} if self.resumed_from else set())
+        self.accelerator.wait_for_everyone()
+
+
+class StopOnSignal(TrainerCallback):
+    """Turn SIGTERM / SIGINT into: finish this step, save a checkpoint, stop. Every rank stops at the same step."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+
+    def on_step_end(self, args, state, control, **kwargs):
+        requested = torch.tensor([0 if self.received is None else int(self.received)])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_backend() == "nccl":
+                requested = requested.cuda()
+            torch.distributed.all_reduce(requested, op=torch.distributed.ReduceOp.MAX)  # one rank's signal stops all
+        if requested.item():
+            self.received = int(requested.item())
+            control.should_save = True
+            control.should_training_stop = True
+        return control

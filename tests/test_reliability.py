@@ -1,0 +1,173 @@
+"""Reliability with real processes and real signals: exact resume after SIGKILL, half-written checkpoints,
+preemption by SIGTERM / SIGINT, rotation, unwritable output, and tokens kept out of every file."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoints import COMPLETE, checkpoints, latest_complete, rotate
+from utils import REPO_DIR
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def recipe(model_dir, data_dir, out, steps=8, *extra):
+    return ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out),
+            "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
+            "--per_device_train_batch_size", "8", "--bf16", "false", "--eval_num_prompts", "0", "--splits", "train",
+            "--disable_tqdm", "true", "--learning_rate", "1e-2", *extra]
+
+
+def start(argv, launcher=()):
+    return subprocess.Popen([*launcher, sys.executable, "train.py", *argv] if not launcher else [*launcher, *argv],
+                            cwd=REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def wait_for(predicate, process, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def losses(out: Path) -> dict[int, float]:
+    history = json.loads((out / "run_summary.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def finish(argv, launcher=()):
+    process = start(argv, launcher)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-3000:]
+    return output
+
+
+def kill_after_checkpoint(argv, out, step, launcher=()):
+    process = start(argv, launcher)
+    wait_for(lambda: (out / f"checkpoint-{step}" / COMPLETE).is_file(), process)
+    os.killpg(process.pid, signal.SIGKILL)  # the whole process group, as a node failure would
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["one-process", "fsdp-2-processes"])
+def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_dir, tmp_path, distributed):
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp2_config.yaml",
+                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", "train.py") \
+        if distributed else ()
+    batch = ["--per_device_train_batch_size", "4"] if distributed else []
+    finish(recipe(tiny_model_dir, chat_dir, tmp_path / "straight", 8, *batch), launcher)
+
+    out = tmp_path / "killed"
+    kill_after_checkpoint(recipe(tiny_model_dir, chat_dir, out, 8, *batch), out, 4, launcher)
+    completed = [step for step, _, done in checkpoints(out) if done]
+    assert completed and max(completed) < 8, completed  # killed between checkpoints, before the end
+    partial = out / "checkpoint-99"  # what a kill during a save leaves: files, no completion marker
+    partial.mkdir()
+    (partial / "optimizer.pt").write_bytes(b"truncated")
+    assert latest_complete(out).endswith(f"checkpoint-{max(completed)}")
+
+    output = finish(recipe(tiny_model_dir, chat_dir, out, 8, *batch, "--resume_from_checkpoint", "latest"), launcher)
+    assert f"resuming from {out / f'checkpoint-{max(completed)}'}" in output
+    straight, resumed = losses(tmp_path / "straight"), losses(out)
+    after = [step for step in straight if step > max(completed)]
+    assert after and all(abs(resumed[s] - straight[s]) <= 1e-5 * abs(straight[s]) for s in after), (straight, resumed)
+    a, b = load_file(tmp_path / "straight" / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    for name in a:  # every shard restored: a half reset to its initial value would differ here
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, chat_dir, tmp_path, signum):
+    out = tmp_path / "run"
+    argv = recipe(tiny_model_dir, chat_dir, out, 400)
+    argv[argv.index("--save_steps") + 1] = "1000"  # no scheduled checkpoint: only the one the signal asks for
+    process = start(argv)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    wait_for(lambda: sum("'loss'" in line for line in lines) >= 2, process, 180)  # mid-training
+    sent = time.time()
+    os.killpg(process.pid, signum)
+    process.wait(timeout=60)
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert time.time() - sent < 30, "the run must stop within a bounded time"
+    assert process.returncode == 128 + signum, output[-2000:]
+    assert "stopped by signal" in output and "--resume_from_checkpoint latest" in output
+    checkpoint = latest_complete(out)
+    assert checkpoint is not None
+    step = int(Path(checkpoint).name.split("-")[1])
+    assert 0 < step < 400
+    resumed = finish([*argv[:argv.index("--max_steps") + 1], str(step + 2), *argv[argv.index("--max_steps") + 2:],
+                      "--resume_from_checkpoint", "latest"])
+    assert f"resuming from {checkpoint}" in resumed
+
+
+def test_rotation_keeps_the_limit_the_newest_and_the_resumed_one(tmp_path):
+    for step, done in [(2, True), (4, True), (5, False), (6, True), (8, True), (10, False)]:
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if done:
+            (tmp_path / f"checkpoint-{step}" / COMPLETE).write_text("{}")
+    removed = rotate(tmp_path, 1, protected={tmp_path / "checkpoint-2"})
+    assert sorted(p.name for p in removed) == ["checkpoint-4", "checkpoint-5", "checkpoint-6"]
+    assert [p.name for _, p, _ in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8", "checkpoint-10"]
+
+
+def test_output_dir_with_another_run_is_kept_unless_asked(tiny_model_dir, chat_dir, tmp_path):
+    out = tmp_path / "run"
+    finish(recipe(tiny_model_dir, chat_dir, out, 2))
+    again = subprocess.run([sys.executable, "train.py", *recipe(tiny_model_dir, chat_dir, out, 2)], cwd=REPO_DIR,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "already holds a run" in again.stderr and "--overwrite_output_dir" in again.stderr
+    finish([*recipe(tiny_model_dir, chat_dir, out, 2), "--overwrite_output_dir", "true"])
+
+
+def test_unwritable_output_is_refused_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = subprocess.run([sys.executable, "train.py", "--output_dir", str(blocker / "out")], cwd=REPO_DIR,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "cannot be created or written" in result.stderr
+
+
+def test_disk_full_during_a_save_is_reported(tiny_model_dir, chat_dir, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import train
+    from checkpoints import CompleteCheckpointsMixin
+
+    def full(self, model, trial):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "checkpoint-2"))
+
+    monkeypatch.setattr(CompleteCheckpointsMixin, "_save_checkpoint", full)
+    with pytest.raises(SystemExit) as exit_info:
+        train.run(recipe(tiny_model_dir, chat_dir, tmp_path / "run", 2))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "--resume_from_checkpoint latest" in err
+
+
+def test_a_planted_token_is_in_no_written_file(tiny_model_dir, chat_dir, tmp_path):
+    planted = "hf_PLANTEDsecret9876543210abcdef"
+    out = tmp_path / "run"
+    output = finish([*recipe(tiny_model_dir, chat_dir, out, 2), "--hub_token", planted])
+    assert planted not in output
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name == "training_args.bin" for p in written)  # the pickled arguments are among them
+    for path in written:
+        assert planted.encode() not in path.read_bytes(), path
+    assert not [p for p in written if p.suffix in (".bin", ".pt", ".pth") and "model" in p.name]  # weights: safetensors
