@@ -15,8 +15,9 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import set_seed
@@ -108,6 +109,56 @@ def resolve_resume_checkpoint(training_args) -> str | None:
     return latest_complete(training_args.output_dir) if resume == "latest" else resume
 
 
+def finish_check(setup: Setup, elsewhere: bool) -> None:
+    """--check: what can be known without weights or data, then stop."""
+    if setup.model_config is not None:
+        plan = memory_plan(setup)
+        where = f"{plan.per_gpu_total:.1f} GiB per GPU, " if plan.per_gpu else ""
+        log(f"memory plan: {where}{plan.host_total:.1f} GiB host RAM (`python memory.py` for the breakdown)")
+        # the tokenizer is readable too: does the chat template add tokens?
+        report_added_tokens(setup, build_tokenizer(setup.model, setup.training.trust_remote_code)[1])
+    log("check passed: no error in this configuration (data and weights were not read"
+        + ("; this machine's hardware was not checked: the launch targets GPUs)" if elsewhere else ")"))
+
+
+@dataclass
+class PreparedData:
+    tokenizer: Any
+    added_token_ids: list[int]  # tokens the chat template added to the vocabulary
+    raw: Any  # the checked, untokenized splits (held-out prompts come from here)
+    datasets: dict  # the tokenized splits, bad examples left out
+    counts: dict  # examples, tokens and supervised tokens of the train split
+    skipped: int  # bad examples left out (--bad_examples skip)
+
+
+def prepare_data(setup: Setup) -> PreparedData:
+    """Tokenizer and data, before the weights: a data problem stops the run while it is still cheap."""
+    model_args, data_args, training_args = setup.model, setup.data, setup.training
+    try:
+        if model_args.model_name_or_path == DEFAULT_MODEL_DIR:
+            convert_default_model()
+        tokenizer, added_token_ids = build_tokenizer(model_args, training_args.trust_remote_code)
+        report_added_tokens(setup, added_token_ids)
+        raw, bad, data_format = load_raw_datasets(data_args, training_args.dataset_text_field)
+        tokenized, cut = build_datasets(raw, data_format, tokenizer, data_args, training_args)
+        bad += cut
+        if bad and data_args.bad_examples == "stop":
+            raise DataError(bad, sum(len(split) for split in raw.values()) + len(bad) - len(cut))
+    except (ValueError, FileNotFoundError) as err:
+        fail([str(err)])
+    except Exception as err:  # datasets' own parse errors: name the source
+        fail([f"could not read dataset {data_args.dataset_name}: {type(err).__name__}: {err}"])
+    if bad:
+        log(f"skipped {len(bad)} bad examples ({summarize(bad)}), first: {bad[0]}")
+    datasets = drop_bad(tokenized, bad)
+    counts = token_counts(datasets["train"])
+    log(f"data: {data_args.dataset_name} ({data_format}), "
+        + ", ".join(f"{split} {len(ds)} examples" for split, ds in datasets.items())
+        + f"; training on {counts['examples']} examples, {counts['tokens']} tokens "
+          f"({counts['supervised_tokens']} supervised) per epoch")
+    return PreparedData(tokenizer, added_token_ids, raw, datasets, counts, len(bad))
+
+
 def run(argv: list[str] | None = None):
     """The whole recipe; returns the trainer and a summary of the run (losses, held-out exact match, seconds)."""
     started = time.time()
@@ -126,14 +177,7 @@ def run(argv: list[str] | None = None):
     setup.gpu_gib = gpu_gib
     report(preflight(setup))
     if check_only:
-        if setup.model_config is not None:
-            plan = memory_plan(setup)
-            where = f"{plan.per_gpu_total:.1f} GiB per GPU, " if plan.per_gpu else ""
-            log(f"memory plan: {where}{plan.host_total:.1f} GiB host RAM (`python memory.py` for the breakdown)")
-        if setup.model_config is not None:  # the tokenizer is readable too: does the chat template add tokens?
-            report_added_tokens(setup, build_tokenizer(model_args, training_args.trust_remote_code)[1])
-        log("check passed: no error in this configuration (data and weights were not read"
-            + ("; this machine's hardware was not checked: the launch targets GPUs)" if elsewhere else ")"))
+        finish_check(setup, elsewhere)
         return None, {}
 
     set_seed(training_args.seed)
@@ -142,33 +186,12 @@ def run(argv: list[str] | None = None):
     log(f"device: {world_size} x {device}, precision: {'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'fp32'}, "
         f"activation checkpointing: {training_args.activation_checkpointing}, torch threads: {torch.get_num_threads()}")
 
-    # Tokenizer and data first: a data problem stops the run before the weights load.
-    try:
-        if model_args.model_name_or_path == DEFAULT_MODEL_DIR:
-            convert_default_model()
-        tokenizer, added_token_ids = build_tokenizer(model_args, training_args.trust_remote_code)
-        report_added_tokens(setup, added_token_ids)
-        raw, bad, data_format = load_raw_datasets(data_args, training_args.dataset_text_field)
-        tokenized, cut = build_datasets(raw, data_format, tokenizer, data_args, training_args)
-        bad += cut
-        if bad and data_args.bad_examples == "stop":
-            raise DataError(bad, sum(len(split) for split in raw.values()) + len(bad) - len(cut))
-    except (ValueError, FileNotFoundError) as err:
-        fail([str(err)])
-    except Exception as err:  # datasets' own parse errors: name the source
-        fail([f"could not read dataset {data_args.dataset_name}: {type(err).__name__}: {err}"])
-    if bad:
-        log(f"skipped {len(bad)} bad examples ({summarize(bad)}), first: {bad[0]}")
-    datasets = drop_bad(tokenized, bad)
+    data = prepare_data(setup)
+    tokenizer, added_token_ids, datasets = data.tokenizer, data.added_token_ids, data.datasets
     eval_split = data_args.eval_split
-    counts = token_counts(datasets["train"])
-    log(f"data: {data_args.dataset_name} ({data_format}), "
-        + ", ".join(f"{split} {len(ds)} examples" for split, ds in datasets.items())
-        + f"; training on {counts['examples']} examples, {counts['tokens']} tokens "
-          f"({counts['supervised_tokens']} supervised) per epoch")
     heldout = None
     if eval_split and data_args.eval_num_prompts > 0 and world_size == 1:
-        heldout = heldout_examples(raw[eval_split], data_args.eval_num_prompts)
+        heldout = heldout_examples(data.raw[eval_split], data_args.eval_num_prompts)
 
     model = build_model(model_args, training_args, tokenizer, added_token_ids)
     if training_args.activation_checkpointing:
@@ -216,8 +239,8 @@ def run(argv: list[str] | None = None):
     if trainer.is_fsdp_enabled:  # gather the adapter on rank 0 so the final folder is a plain PEFT adapter
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model()
-    summary.update(trained_examples=counts["examples"], trained_tokens=counts["tokens"],
-                   skipped_examples=len(bad))
+    summary.update(trained_examples=data.counts["examples"], trained_tokens=data.counts["tokens"],
+                   skipped_examples=data.skipped)
     summary["train_loss"] = result.training_loss
     summary["train_steps"] = result.global_step
     if eval_split and training_args.eval_strategy == "no" and world_size == 1:
