@@ -87,8 +87,7 @@ def setups(model: str, data: str, steps: int, out: Path, precision: str, threads
     common = ["--max_steps", str(steps), "--per_device_train_batch_size", "4", "--max_length", "256",
               "--packing", "true", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
               "--disable_tqdm", "true", "--learning_rate", "1e-3", "--seed", "42"]
-    lora = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.05",
-            "--lora_target_modules", "all-linear"]
+    lora = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
     trl = [sys.executable, "-c", PEAK, str(Path(sys.executable).parent / "trl"), "sft", "--model_name_or_path", model,
            "--dataset_name", data]
     return {
@@ -97,12 +96,13 @@ def setups(model: str, data: str, steps: int, out: Path, precision: str, threads
                                str(out / "recipe"), "--overwrite_output_dir", "true", *common], {}),
         "trl sft (defaults)": ([*trl, *common, *lora, "--output_dir", str(out / "trl-default"), "--use_cpu", "true"],
                                {}),
-        # The recipe's numerics and settings: precision, no checkpointing, sdpa, and every core (its launcher would
-        # otherwise pin one thread).
+        # The recipe's numerics and settings: precision, no checkpointing, sdpa, no LoRA dropout, and every core (its
+        # launcher would otherwise pin one thread).
         "trl sft (hand-tuned)": ([*trl, *common, *lora, "--output_dir", str(out / "trl-tuned"), "--use_cpu", "true",
                                   "--dtype", "bfloat16" if precision == "bf16" else "float32",
                                   "--bf16", str(precision == "bf16"), "--gradient_checkpointing", "false",
-                                  "--attn_implementation", "sdpa"], {"OMP_NUM_THREADS": str(threads)}),
+                                  "--attn_implementation", "sdpa", "--lora_dropout", "0"],
+                                 {"OMP_NUM_THREADS": str(threads)}),
     }
 
 

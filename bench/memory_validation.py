@@ -70,7 +70,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     tiny = tiny_model(work / "tiny")
     common = ["--max_steps", "4", "--per_device_train_batch_size", "8", "--eval_num_prompts", "0", "--splits", "train",
-              "--disable_tqdm", "true", "--bf16", str(precision == "bf16").lower()]
+              "--disable_tqdm", "true", "--bf16", str(precision == "bf16").lower(), "--lora_dropout", "0.05"]
     runs = {
         "tiny Llama 4x256, LoRA": (tiny, "lora"),
         "tiny Llama 4x256, QLoRA": (tiny, "qlora"),
@@ -84,7 +84,7 @@ def main() -> None:
             argv += ["--use_4bit_quantization", "true"]
         marks = measure(argv)
         run = Run(method=method, engine="none", device="cpu", batch=8, seq=marks["max_tokens"], checkpointing=False,
-                  lora_r=16, precision=precision, nested_quant=False)
+                  lora_r=16, lora_dropout=0.05, precision=precision, nested_quant=False)
         predicted = plan(Shapes.of(load_config(str(model))), run).host
         measured = {"process": marks["base"] / GIB, "weights": (marks["after_model"] - marks["base"]) / GIB,
                     "training": (marks["peak"] - marks["after_model"]) / GIB}
