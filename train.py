@@ -1,6 +1,6 @@
 """Supervised fine-tuning with LoRA or QLoRA, on one CPU or many GPUs, through TRL's SFTTrainer.
 
-    python train.py                                   # LoRA on SmolLM2-135M-Instruct, offline, CPU, ~4 minutes
+    python train.py                                   # LoRA on SmolLM2-135M-Instruct, offline, CPU, ~3 minutes
     python train.py my_run.yaml --learning_rate 2e-4  # keys of the file are the flags; flags override the file
     accelerate launch --config_file configs/fsdp_config.yaml train.py --model_name_or_path meta-llama/Llama-2-70b-hf ...
 
