@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from report import PLOT_FILE, SUMMARY_FILE, model_card, read_summary
+from report import PLOT_FILE, model_card, read_summary
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")

@@ -8,7 +8,6 @@ import pytest
 
 import checks
 import train
-import utils
 from arguments import parse_arguments
 from utils import REPO_DIR
 
