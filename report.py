@@ -33,7 +33,8 @@ def plot_history(log_history: list[dict], path: Path) -> Path:
     losses = [entry[key] for entry in log_history for key in ("loss", "eval_loss") if key in entry]
     if losses and min(losses) > 0 and max(losses) / min(losses) > 20:
         loss_ax.set_yscale("log")  # fine-tuning losses often fall by orders of magnitude
-    loss_ax.legend()
+    if loss_ax.lines:  # a run shorter than --logging_steps logs no loss
+        loss_ax.legend()
     steps, values = series("learning_rate")
     lr_ax.plot(steps, values)
     lr_ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
