@@ -50,8 +50,8 @@ def rotate(output_dir: str | Path, limit: int | None, protected: set[Path]) -> l
     newest_step = max(step for step, _, done in found if done)
     doomed = [path for step, path, done in found if not done and step < newest_step]
     if limit and limit > 0:
-        keep = set(complete[-limit:]) | {complete[-1]} | {p.resolve() for p in protected}
-        doomed += [path for path in complete if path.resolve() not in keep and path not in keep]
+        keep = {path.resolve() for path in (*complete[-limit:], complete[-1], *protected)}
+        doomed += [path for path in complete if path.resolve() not in keep]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

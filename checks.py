@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from distributed import Launch
 from utils import DEFAULT_MODEL_DIR, gguf_source, is_flash_attn_installed, load_dtype, native_bf16_supported
 
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -33,60 +34,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.what} ({self.why}). Fix: {self.fix}"
-
-
-def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
-    return env.get(name, str(default)).lower() in ("1", "true", "yes")
-
-
-@dataclass
-class Launch:
-    """The distributed settings in effect, read from the environment `accelerate launch` gives each process."""
-
-    env: Mapping[str, str] = field(default_factory=dict)
-    num_processes: int = 1
-
-    @classmethod
-    def current(cls) -> Launch:
-        return cls(dict(os.environ), int(os.environ.get("WORLD_SIZE", 1)))
-
-    @property
-    def fsdp(self) -> bool:
-        return _flag(self.env, "ACCELERATE_USE_FSDP")
-
-    @property
-    def deepspeed(self) -> bool:
-        return _flag(self.env, "ACCELERATE_USE_DEEPSPEED")
-
-    @property
-    def fsdp_version(self) -> int:
-        return int(self.env.get("FSDP_VERSION", "1"))
-
-    @property
-    def zero_stage(self) -> int | None:
-        """From the accelerate config, or from the DeepSpeed JSON it points to."""
-        if not self.deepspeed:
-            return None
-        if "ACCELERATE_DEEPSPEED_ZERO_STAGE" in self.env:
-            return int(self.env["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
-        json_file = self.env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-        if json_file != "none" and Path(json_file).is_file():
-            import json
-
-            return json.loads(Path(json_file).read_text()).get("zero_optimization", {}).get("stage")
-        return None
-
-    @property
-    def sharded(self) -> bool:
-        """Parameters are flattened and split across ranks (FSDP, or ZeRO-3)."""
-        return self.fsdp or self.zero_stage == 3
-
-    def fsdp_setting(self, name: str, default: bool = False) -> bool:
-        return _flag(self.env, f"FSDP_{name}", default)
-
-    @property
-    def mixed_precision(self) -> str:
-        return self.env.get("ACCELERATE_MIXED_PRECISION", "no")
 
 
 @dataclass

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,21 +18,63 @@ import yaml
 from trl import SFTTrainer
 
 
-def fsdp_requested() -> bool:
-    """accelerate launch with an FSDP config exports ACCELERATE_USE_FSDP; the training flags can also ask for it."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
+    return env.get(name, str(default)).lower() in ("1", "true", "yes")
 
 
-def deepspeed_requested() -> bool:
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
+@dataclass
+class Launch:
+    """The distributed settings in effect, read from the environment `accelerate launch` gives each process (or
+    would give it, for `train.py --check --accelerate_config`). The one place that reads those variables."""
 
+    env: Mapping[str, str] = field(default_factory=dict)
+    num_processes: int = 1
 
-def fsdp_version() -> int:
-    return int(os.environ.get("FSDP_VERSION", "1"))
+    @classmethod
+    def current(cls) -> Launch:
+        return cls(dict(os.environ), int(os.environ.get("WORLD_SIZE", 1)))
+
+    @property
+    def fsdp(self) -> bool:
+        return _flag(self.env, "ACCELERATE_USE_FSDP")
+
+    @property
+    def deepspeed(self) -> bool:
+        return _flag(self.env, "ACCELERATE_USE_DEEPSPEED")
+
+    @property
+    def fsdp_version(self) -> int:
+        return int(self.env.get("FSDP_VERSION", "1"))
+
+    @property
+    def zero_stage(self) -> int | None:
+        """From the accelerate config, or from the DeepSpeed JSON it points to."""
+        if not self.deepspeed:
+            return None
+        if "ACCELERATE_DEEPSPEED_ZERO_STAGE" in self.env:
+            return int(self.env["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
+        json_file = self.env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+        if json_file != "none" and Path(json_file).is_file():
+            import json
+
+            return json.loads(Path(json_file).read_text()).get("zero_optimization", {}).get("stage")
+        return None
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters are flattened and split across ranks (FSDP, or ZeRO-3)."""
+        return self.fsdp or self.zero_stage == 3
+
+    def fsdp_setting(self, name: str, default: bool = False) -> bool:
+        return _flag(self.env, f"FSDP_{name}", default)
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.env.get("ACCELERATE_MIXED_PRECISION", "no")
 
 
 def needs_cpu_fsdp() -> bool:
-    return fsdp_requested() and not torch.cuda.is_available()
+    return Launch.current().fsdp and not torch.cuda.is_available()
 
 
 class CpuFsdpSFTTrainer(SFTTrainer):

@@ -26,8 +26,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def refuse_inside_sharded_run() -> None:
     """Merging needs every weight whole in one process; FSDP and ZeRO-3 hold shards."""
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" or \
-            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+    from distributed import Launch
+
+    launch = Launch.current()
+    if launch.num_processes > 1 or launch.fsdp or launch.deepspeed:
         raise SystemExit("error: merging inside a sharded (FSDP / DeepSpeed) run is not supported: the weights are "
                          "split across processes. Run `python export.py merge <adapter folder>` afterwards, in one "
                          "process, on CPU or one GPU.")

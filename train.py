@@ -205,7 +205,7 @@ def run(argv: list[str] | None = None):
 
     # The recipe publishes once, at the end, a folder it has built and checked (export.publish); not the Trainer.
     stop_on_signal = StopOnSignal()  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
-    publish_to = training_args.hub_model_id or Path(training_args.output_dir).name if training_args.push_to_hub else None
+    publish_to = (training_args.hub_model_id or Path(training_args.output_dir).name) if training_args.push_to_hub else None
     training_args.push_to_hub = False
     trainer = trainer_class()(
         model=model,

@@ -160,10 +160,9 @@ def build_quantization_config(model_args):
 
 def sharded_loading() -> bool:
     """FSDP or ZeRO-3 places the weights itself: no device_map then (it would put the whole model on one GPU)."""
-    from distributed import deepspeed_requested, fsdp_requested
+    from distributed import Launch
 
-    zero3 = deepspeed_requested() and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") == "3"
-    return fsdp_requested() or zero3
+    return Launch.current().sharded
 
 
 def build_model(model_args, training_args, tokenizer, added_token_ids: list[int]):
