@@ -180,6 +180,8 @@ def recipe_defaults() -> dict[str, Any]:
         "eval_strategy": "no",
         "save_strategy": "no",
         "max_length": 512,
+        # One row per batch, no padding; attention stays within each example (fast_paths.py, or flash-attn's varlen)
+        "padding_free": True,
         "report_to": "none",
         "hub_private_repo": True,  # publishing is opt-in (--push_to_hub) and private unless said otherwise
         "seed": 42,

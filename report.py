@@ -56,7 +56,7 @@ def model_card(summary: dict) -> str:
         metrics.append(f"- held-out exact match: {results['exact_match_before']:.1%} before, "
                        f"{results['exact_match_after']:.1%} after")
     hyper = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "learning_rate", "lr_scheduler_type",
-             "per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing", "max_steps",
+             "per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing", "padding_free", "max_steps",
              "num_train_epochs", "bf16", "chat_template_format"]
     table = "\n".join(f"| {key} | {args[key]} |" for key in hyper if key in args)
     plot = f"\n![training curves]({PLOT_FILE})\n" if summary.get("plot") else ""
@@ -99,7 +99,7 @@ tokenizer = AutoTokenizer.from_pretrained("<this repo>")
 # Training arguments worth recording; an explicit list, so no token or credential can slip into the summary.
 TRAINING_KEYS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "optim",
                  "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
-                 "max_length", "packing", "bf16", "fp16", "activation_checkpointing", "seed")
+                 "max_length", "packing", "padding_free", "bf16", "fp16", "activation_checkpointing", "seed")
 
 
 def write_run_report(out_dir: Path, arguments: dict, results: dict, log_history: list[dict], hardware: str) -> dict:

@@ -29,8 +29,9 @@ from data_validation import DataError, summarize
 from distributed import launch_environment, trainer_class
 from evaluate import evaluate_exact_match, heldout_examples
 from export import publish
+from fast_paths import lora_inputs_in_compute_dtype, score_labelled_positions_only
 from report import TRAINING_KEYS, write_run_report
-from utils import DEFAULT_MODEL_DIR, build_datasets, build_model, build_peft_config, build_tokenizer
+from utils import DEFAULT_MODEL_DIR, attention_implementation, build_datasets, build_model, build_peft_config, build_tokenizer
 from utils import convert_default_model, drop_bad, load_raw_datasets, token_counts
 
 
@@ -184,7 +185,9 @@ def run(argv: list[str] | None = None):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log(f"device: {world_size} x {device}, precision: {'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'fp32'}, "
-        f"activation checkpointing: {training_args.activation_checkpointing}, torch threads: {torch.get_num_threads()}")
+        f"activation checkpointing: {training_args.activation_checkpointing}, torch threads: {torch.get_num_threads()}, "
+        f"attention: {attention_implementation(model_args)}, "
+        f"batches: {'packed' if training_args.packing else 'padding-free' if training_args.padding_free else 'padded'}")
 
     data = prepare_data(setup)
     tokenizer, added_token_ids, datasets = data.tokenizer, data.added_token_ids, data.datasets
@@ -207,6 +210,11 @@ def run(argv: list[str] | None = None):
     stop_on_signal = StopOnSignal()  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
     publish_to = (training_args.hub_model_id or Path(training_args.output_dir).name) if training_args.push_to_hub else None
     training_args.push_to_hub = False
+    arguments = {**asdict(model_args), **asdict(data_args),
+                 **{key: getattr(training_args, key) for key in TRAINING_KEYS}}
+    if training_args.padding_free and not training_args.packing:
+        training_args.max_length = None  # prepare_data truncated already; TRL refuses a length it would not enforce
+    score_labelled_positions_only()
     trainer = trainer_class()(
         model=model,
         args=training_args,
@@ -223,7 +231,8 @@ def run(argv: list[str] | None = None):
     if trainer.resumed_from:
         log(f"resuming from {trainer.resumed_from}")
     try:
-        result = trainer.train(resume_from_checkpoint=trainer.resumed_from)
+        with lora_inputs_in_compute_dtype(trainer.model, trainer.accelerator.native_amp):
+            result = trainer.train(resume_from_checkpoint=trainer.resumed_from)
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
             raise
@@ -254,8 +263,6 @@ def run(argv: list[str] | None = None):
         log(f"held-out exact match: {summary['exact_match_before']:.1%} before, {summary['exact_match_after']:.1%} after")
     summary["seconds"] = time.time() - started
     if trainer.accelerator.is_main_process:
-        arguments = {**asdict(model_args), **asdict(data_args),
-                     **{key: getattr(training_args, key) for key in TRAINING_KEYS}}
         hardware = f"{world_size} x {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}"
         write_run_report(training_args.output_dir, arguments, summary, trainer.state.log_history, hardware)
         if publish_to:

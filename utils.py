@@ -165,6 +165,13 @@ def sharded_loading() -> bool:
     return Launch.current().sharded
 
 
+def attention_implementation(model_args) -> str:
+    """flash_attention_2 when asked for; otherwise sdpa that attends within each packed example (fast_paths.py)."""
+    from fast_paths import register_attention
+
+    return "flash_attention_2" if model_args.use_flash_attn else register_attention()
+
+
 def build_model(model_args, training_args, tokenizer, added_token_ids: list[int]):
     from transformers import AutoModelForCausalLM
 
@@ -176,7 +183,7 @@ def build_model(model_args, training_args, tokenizer, added_token_ids: list[int]
         model_args.model_name_or_path,
         dtype=load_dtype(model_args, training_args),
         quantization_config=quantization_config,
-        attn_implementation="flash_attention_2" if model_args.use_flash_attn else "sdpa",
+        attn_implementation=attention_implementation(model_args),
         trust_remote_code=training_args.trust_remote_code,  # off unless asked: it runs the Hub repo's code
         device_map=device_map,
         use_safetensors=True,  # never unpickle weights
@@ -387,11 +394,21 @@ def build_datasets(raw, data_format: str, tokenizer, data_args, training_args) -
             remove_columns=[c for c in dataset.column_names if c != ORIGIN],
             desc=f"Tokenizing {split}",
         )
+        longest = 0
         for example in dataset:
+            longest = max(longest, len(example["input_ids"]))
             if problem := too_long(example, training_args.max_length):
                 bad.append(BadExample(example[ORIGIN], problem))
+        if training_args.max_length and longest > training_args.max_length and not getattr(training_args, "packing", False):
+            # Truncated here rather than by TRL, which refuses to truncate padding-free batches (packing cuts its own)
+            dataset = dataset.map(truncate, fn_kwargs={"max_length": training_args.max_length},
+                                  desc=f"Truncating {split}")
         tokenized[split] = dataset
     return tokenized, bad
+
+
+def truncate(example: dict, max_length: int) -> dict:
+    return {"input_ids": example["input_ids"][:max_length], "labels": example["labels"][:max_length]}
 
 
 def drop_bad(tokenized: dict, bad: list) -> dict:

@@ -3,11 +3,17 @@
     .venv/bin/python bench/benchmark.py                 # CPU: SmolLM2-135M, LoRA r=16 all-linear, 4 x 256 packed tokens
     .venv/bin/python bench/benchmark.py --steps 12 --repeats 2 --out bench/benchmark.json
 
-The same fine-tune (model, data, sequence length, global batch, steps, LoRA) runs through each setup, alternating,
-`--repeats` times; each run is a fresh process. Printed side by side: trained (non-padding) tokens per second, seconds
-per step, peak RSS, final loss, the ratios to the recipe, and FLOPs utilisation: model FLOPs per trained token (for
-LoRA: forward through every weight, backward input-gradients through every weight, weight gradients for the LoRA
-weights only) times tokens/s, over the matmul peak this script measures on the same machine in the same dtype.
+The same fine-tune (model, data, sequence length, global batch, steps, LoRA, loss on the answers only) runs through
+each setup, alternating, `--repeats` times; each run is a fresh process. The demo data goes in as conversational
+prompt/completion, so TRL also trains on the completions only and the loss curves compare. Printed side by side:
+trained (non-padding) tokens per second, seconds per step, peak RSS, the loss curve, the ratios to the recipe, and
+FLOPs utilisation: model FLOPs per trained token times tokens/s, over the matmul peak this script measures on the same
+machine in the same dtype. The FLOPs count only the work the loss needs: every weight forward and input-gradient,
+weight gradients for the LoRA weights only (frozen weights get none), the LM head at the supervised positions only,
+and causal attention within each example.
+
+Then an ablation, in one process: forward + backward of one recipe batch with each of fast_paths.py's shortcuts
+switched off in turn (and a padded batch of the same examples), alternated: what each one buys.
 Not a test: numbers vary with the machine; the README keeps a dated table.
 """
 
@@ -44,17 +50,31 @@ def matmul_peak_gflops(dtype: torch.dtype, threads: int) -> float:
     return best
 
 
-def flops_per_token(model_dir: str, lora_r: int, seq: int) -> float:
-    """LoRA training FLOPs per token: 2N forward + 2N input-gradients over all N weights (frozen ones get no weight
-    gradient), + 6 x LoRA weights (their forward, input- and weight-gradients), + causal attention (6 x layers x
-    seq x hidden, forward and backward)."""
+def data_shape(data_dir: Path) -> dict:
+    """Supervised fraction and token-weighted mean example length of the train split, as the recipe tokenizes it."""
+    from arguments import parse_arguments
+    from utils import build_datasets, build_tokenizer, load_raw_datasets
+
+    model_args, data_args, training_args, _ = parse_arguments(["--dataset_name", str(data_dir), "--splits", "train"])
+    tokenizer, _ = build_tokenizer(model_args)
+    raw, _, data_format = load_raw_datasets(data_args, training_args.dataset_text_field)
+    labels = build_datasets(raw, data_format, tokenizer, data_args, training_args)[0]["train"]["labels"]
+    lengths = [len(x) for x in labels]
+    return {"supervised_fraction": sum(sum(t != -100 for t in x) for x in labels) / sum(lengths),
+            "mean_context": sum(n * n for n in lengths) / sum(lengths)}
+
+
+def flops_per_token(model_dir: str, lora_r: int, shape: dict) -> float:
+    """LoRA training FLOPs per token that the loss needs: 2W forward + 2W input-gradients over the decoder's weights W
+    (frozen, so no weight gradients), 6 x LoRA weights (forward, input- and weight-gradients), the LM head's 2 x 2
+    x vocab x hidden at the supervised positions only, and causal attention within each example (6 x layers x hidden x
+    context, forward and backward)."""
     from memory import Shapes, load_config
 
     shapes = Shapes.of(load_config(model_dir))
-    embeddings = shapes.vocab * shapes.hidden  # the input lookup is no matmul (the tied lm_head is, counted once)
-    n = shapes.total - embeddings + shapes.vocab * shapes.hidden
-    lora = shapes.lora_per_rank * lora_r
-    return 4 * n + 6 * lora + 6 * shapes.num_layers * seq * shapes.hidden
+    head = 4 * shapes.vocab * shapes.hidden * shape["supervised_fraction"]
+    attention = 6 * shapes.num_layers * shapes.hidden * shape["mean_context"]
+    return 4 * shapes.linear + 6 * shapes.lora_per_rank * lora_r + head + attention
 
 
 def run(command: list[str], env: dict) -> dict:
@@ -82,23 +102,28 @@ PEAK = ("import atexit, resource, runpy, sys; "
         "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
+COMMON = ["--per_device_train_batch_size", "4", "--max_length", "256", "--packing", "true", "--logging_steps", "1",
+          "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--learning_rate", "1e-3",
+          "--seed", "42"]
+
+
+def recipe_argv(model: str, data: str, steps: int, out: Path) -> list[str]:
+    return ["--model_name_or_path", model, "--dataset_name", data, "--splits", "train", "--eval_num_prompts", "0",
+            "--output_dir", str(out), "--overwrite_output_dir", "true", "--max_steps", str(steps), *COMMON]
+
+
 def setups(model: str, data: str, steps: int, out: Path, precision: str, threads: int) -> dict[str, tuple]:
     """name -> (command, extra environment)."""
-    common = ["--max_steps", str(steps), "--per_device_train_batch_size", "4", "--max_length", "256",
-              "--packing", "true", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
-              "--disable_tqdm", "true", "--learning_rate", "1e-3", "--seed", "42"]
     lora = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
     trl = [sys.executable, "-c", PEAK, str(Path(sys.executable).parent / "trl"), "sft", "--model_name_or_path", model,
-           "--dataset_name", data]
+           "--dataset_name", data, "--max_steps", str(steps), *COMMON, *lora, "--use_cpu", "true"]
     return {
-        "recipe (defaults)": ([sys.executable, "-c", PEAK, "train.py", "--model_name_or_path", model, "--dataset_name",
-                               data, "--splits", "train", "--eval_num_prompts", "0", "--output_dir",
-                               str(out / "recipe"), "--overwrite_output_dir", "true", *common], {}),
-        "trl sft (defaults)": ([*trl, *common, *lora, "--output_dir", str(out / "trl-default"), "--use_cpu", "true"],
-                               {}),
+        "recipe (defaults)": ([sys.executable, "-c", PEAK, "train.py", *recipe_argv(model, data, steps, out / "recipe")],
+                              {}),
+        "trl sft (defaults)": ([*trl, "--output_dir", str(out / "trl-default")], {}),
         # The recipe's numerics and settings: precision, no checkpointing, sdpa, no LoRA dropout, and every core (its
         # launcher would otherwise pin one thread).
-        "trl sft (hand-tuned)": ([*trl, *common, *lora, "--output_dir", str(out / "trl-tuned"), "--use_cpu", "true",
+        "trl sft (hand-tuned)": ([*trl, "--output_dir", str(out / "trl-tuned"),
                                   "--dtype", "bfloat16" if precision == "bf16" else "float32",
                                   "--bf16", str(precision == "bf16"), "--gradient_checkpointing", "false",
                                   "--attn_implementation", "sdpa", "--lora_dropout", "0"],
@@ -106,10 +131,80 @@ def setups(model: str, data: str, steps: int, out: Path, precision: str, threads
     }
 
 
+def prompt_completion_copy(source: Path, out: Path) -> Path:
+    """The demo's train split as conversational prompt/completion: TRL's completion-only loss then supervises the
+    answers, as the recipe does with the chat version (this template has no generation markers for TRL's
+    assistant_only_loss)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(source / "train.jsonl") as rows, open(out / "train.jsonl", "w") as copy:
+        for line in rows:
+            messages = json.loads(line)["messages"]
+            copy.write(json.dumps({"prompt": messages[:-1], "completion": messages[-1:]}) + "\n")
+    return out
+
+
+def ablation(model: str, data: str, repeats: int) -> dict[str, float]:
+    """Median seconds of forward + backward of one recipe batch with each shortcut off in turn, alternated."""
+    import trl.kernels.chunked_logprob as kernels
+    import trl.trainer.utils as trl_utils
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    import train
+    from arguments import parse_arguments
+    from checks import Launch, Setup
+    from distributed import trainer_class
+    from fast_paths import ATTENTION, lora_inputs_in_compute_dtype, score_labelled_positions_only
+    from utils import build_model, build_peft_config
+
+    model_args, data_args, training_args, _ = parse_arguments(recipe_argv(model, data, 1, REPO / "outputs" / "bench"))
+    prepared = train.prepare_data(Setup(model_args, data_args, training_args, Launch.current(), here=True, cuda=False,
+                                        model_config=None))
+    score_labelled_positions_only()
+    trainer = trainer_class()(model=build_model(model_args, training_args, prepared.tokenizer, []),
+                              args=training_args, train_dataset=prepared.datasets["train"],
+                              processing_class=prepared.tokenizer, peft_config=build_peft_config(model_args, []))
+    wrapped = trainer.accelerator.prepare(trainer.model)  # the Trainer's own wrapping: autocast in bf16
+    base = trainer.model.get_base_model()
+    packed = next(iter(trainer.get_train_dataloader()))
+    bounds = packed["cu_seq_lens_q"].tolist()
+    padded = DataCollatorForLanguageModeling(pad_token_id=prepared.tokenizer.pad_token_id)([
+        {"input_ids": packed["input_ids"][0, a:b].tolist(), "labels": packed["labels"][0, a:b].tolist()}
+        for a, b in zip(bounds, bounds[1:])])
+    compact, every_position = trl_utils._use_triton, kernels._use_triton
+
+    def step(attention=ATTENTION, head=compact, keep_lora_dtype=True, batch=packed) -> float:
+        base.set_attn_implementation(attention)
+        trl_utils._use_triton = head
+        start = time.perf_counter()
+        with lora_inputs_in_compute_dtype(wrapped, keep_lora_dtype and trainer.accelerator.native_amp):
+            trainer.compute_loss(wrapped, trainer._prepare_inputs(dict(batch))).backward()
+        seconds = time.perf_counter() - start
+        wrapped.zero_grad()
+        return seconds
+
+    variants = {
+        "recipe (every shortcut)": {},
+        "sdpa over the whole packed row": {"attention": "sdpa"},
+        "LM head at every position": {"head": every_position},
+        "PEFT casts LoRA inputs to fp32": {"keep_lora_dtype": False},
+        "padded batch, same examples": {"batch": padded},
+        "none of the shortcuts": {"attention": "sdpa", "head": every_position, "keep_lora_dtype": False},
+    }
+    for kwargs in variants.values():
+        step(**kwargs)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, kwargs in variants.items():
+            times[name].append(step(**kwargs))
+    trl_utils._use_triton = compact
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ablation_repeats", type=int, default=5)
     parser.add_argument("--out", default=str(REPO / "bench" / "benchmark.json"))
     args = parser.parse_args()
 
@@ -120,15 +215,17 @@ def main() -> None:
     threads = os.cpu_count() or 1
     peak = matmul_peak_gflops(torch.bfloat16 if precision == "bf16" else torch.float32, threads)
     work = REPO / "outputs" / "bench"
+    data = prompt_completion_copy(REPO / "data" / "dates", work / "dates-prompt-completion")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    commands = setups(DEFAULT_MODEL_DIR, str(REPO / "data" / "dates"), args.steps, work, precision, threads)
+    commands = setups(DEFAULT_MODEL_DIR, str(data), args.steps, work, precision, threads)
     results: dict[str, list[dict]] = {name: [] for name in commands}
     for repeat in range(args.repeats):
         for name, (command, extra_env) in commands.items():  # alternated: drift hits every setup alike
             results[name].append(run(command, {**env, **extra_env}))
             print(f"repeat {repeat + 1}: {name}: {results[name][-1]['seconds']:.1f} s", flush=True)
 
-    per_token = flops_per_token(DEFAULT_MODEL_DIR, 16, 256)
+    shape = data_shape(data)
+    per_token = flops_per_token(DEFAULT_MODEL_DIR, 16, shape)
     table = {}
     for name, runs in results.items():
         seconds = statistics.median(r["seconds"] for r in runs)
@@ -136,21 +233,27 @@ def main() -> None:
         table[name] = {"tokens_per_s": tokens / seconds, "s_per_step": seconds / args.steps,
                        "peak_rss_gib": max(r["peak_rss_gib"] or 0 for r in runs), "final_loss": runs[0]["final_loss"],
                        "flops_utilisation": per_token * tokens / seconds / (peak * 1e9), "losses": runs[0]["losses"]}
+    ablated = ablation(DEFAULT_MODEL_DIR, str(data), args.ablation_repeats)
+
     base = table["recipe (defaults)"]["tokens_per_s"]
     print(f"\n{time.strftime('%Y-%m-%d')}, {threads} CPU threads, {precision}; matmul peak {peak:.0f} GFLOP/s; "
-          f"{per_token / 1e6:.0f} MFLOP per trained token; {args.steps} steps of 4 x 256 packed tokens, median of "
+          f"{per_token / 1e6:.0f} MFLOP per trained token ({shape['supervised_fraction']:.1%} of tokens supervised, "
+          f"examples of {shape['mean_context']:.0f} tokens); {args.steps} steps of 4 x 256 packed tokens, median of "
           f"{args.repeats}")
-    print("final loss: the recipe's is over the assistant tokens only; trl sft's over every token (this chat template "
-          "has no generation markers, so TRL's assistant_only_loss cannot be used)")
     print(f"{'setup':22s} {'tokens/s':>9s} {'s/step':>7s} {'peak RSS':>9s} {'final loss':>10s} {'FLOPs util':>10s} "
           f"{'recipe / this':>13s}")
     for name, row in table.items():
         print(f"{name:22s} {row['tokens_per_s']:9.0f} {row['s_per_step']:7.2f} {row['peak_rss_gib']:8.2f}G "
               f"{row['final_loss']:10.4f} {row['flops_utilisation']:9.0%} {base / row['tokens_per_s']:12.2f}x")
+    print("loss curves: " + "; ".join(f"{name}: {' '.join(f'{x:.3f}' for x in row['losses'])}"
+                                      for name, row in table.items()))
+    print(f"\nablation: forward + backward of one recipe batch, median of {args.ablation_repeats}")
+    for name, seconds in ablated.items():
+        print(f"{name:34s} {seconds:6.2f} s  {seconds / ablated['recipe (every shortcut)']:5.2f}x the recipe's")
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "threads": threads,
-                                          "precision": precision, "matmul_peak_gflops": peak,
+                                          "precision": precision, "matmul_peak_gflops": peak, "data": shape,
                                           "flops_per_token": per_token, "steps": args.steps, "runs": results,
-                                          "table": table}, indent=2))
+                                          "table": table, "ablation_seconds": ablated}, indent=2))
 
 
 if __name__ == "__main__":

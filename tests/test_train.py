@@ -116,6 +116,8 @@ def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
     trainer, summary = train.run(["--output_dir", str(tmp_path / "out"), "--max_steps", "6", "--eval_num_prompts", "16",
                                   "--disable_tqdm", "true"])
     assert summary["exact_match_after"] > summary["exact_match_before"] + 0.2, summary
+    # the defaults take fast_paths.py's attention on padding-free batches
+    assert trainer.model.config._attn_implementation == "sdpa_varlen" and trainer.padding_free
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
 
 
