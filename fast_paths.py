@@ -9,14 +9,11 @@
 - LM head only where the loss is. TRL's fused LM head projects just the positions that have a label on Triton
   devices, and every position elsewhere (fixed shapes for graph compilers); in eager mode on CPU the fixed shape
   buys nothing, and a chat example supervises only its answers.
-- LoRA inputs stay in the compute dtype. Under mixed precision PEFT casts each adapted layer's input up to the fp32
-  adapter weights, and autocast casts it straight back down for the matmul: two copies of every activation that
-  change no number.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -78,17 +75,3 @@ def score_labelled_positions_only() -> None:
 
     compact.labelled_only = True
     trl_utils._use_triton = compact
-
-
-@contextmanager
-def lora_inputs_in_compute_dtype(model, mixed_precision: bool):
-    """While training under autocast, skip PEFT's cast of each LoRA input to the adapter's fp32 dtype; autocast
-    runs the adapter's matmuls in the compute dtype either way. Outside autocast the cast is needed, so it comes back
-    on exit."""
-    if not mixed_precision or not hasattr(model, "peft_config"):
-        yield
-        return
-    from peft.helpers import disable_input_dtype_casting
-
-    with disable_input_dtype_casting(model):
-        yield

@@ -29,7 +29,7 @@ from data_validation import DataError, summarize
 from distributed import launch_environment, trainer_class
 from evaluate import evaluate_exact_match, heldout_examples
 from export import publish
-from fast_paths import lora_inputs_in_compute_dtype, score_labelled_positions_only
+from fast_paths import score_labelled_positions_only
 from report import TRAINING_KEYS, write_run_report
 from utils import DEFAULT_MODEL_DIR, attention_implementation, build_datasets, build_model, build_peft_config, build_tokenizer
 from utils import convert_default_model, drop_bad, load_raw_datasets, token_counts
@@ -231,8 +231,7 @@ def run(argv: list[str] | None = None):
     if trainer.resumed_from:
         log(f"resuming from {trainer.resumed_from}")
     try:
-        with lora_inputs_in_compute_dtype(trainer.model, trainer.accelerator.native_amp):
-            result = trainer.train(resume_from_checkpoint=trainer.resumed_from)
+        result = trainer.train(resume_from_checkpoint=trainer.resumed_from)
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
             raise

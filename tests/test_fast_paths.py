@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from fast_paths import lora_inputs_in_compute_dtype, register_attention, score_labelled_positions_only
+from fast_paths import register_attention, score_labelled_positions_only
 from utils import build_datasets, drop_bad, load_raw_datasets
 
 
@@ -99,28 +99,6 @@ def test_lm_head_projects_only_the_labelled_positions(tiny_model_dir, smol_token
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0, :-1]
     expected = torch.nn.functional.cross_entropy(logits.float(), batch["labels"][0, 1:], ignore_index=-100)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-
-
-def test_lora_inputs_stay_bf16_under_autocast_with_the_same_numbers(tiny_model_dir, smol_tokenizer, examples):
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(load(tiny_model_dir, register_attention(), torch.bfloat16),
-                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
-    assert {p.dtype for n, p in model.named_parameters() if p.requires_grad} == {torch.float32}
-    batch = collate(examples, smol_tokenizer, padding_free=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        cast = loss_and_grads(model, batch)
-        with lora_inputs_in_compute_dtype(model, mixed_precision=True):
-            kept = loss_and_grads(model, batch)
-    assert torch.equal(cast[0], kept[0])
-    for name, grad in cast[2].items():
-        if "lora" in name:
-            assert torch.equal(kept[2][name], grad), name
-    with lora_inputs_in_compute_dtype(model, mixed_precision=True), pytest.raises(RuntimeError, match="dtype"):
-        model(**batch)  # the cast really is off inside: without autocast, bf16 inputs meet fp32 adapters
-    model(**batch)  # and back on after it
-    with lora_inputs_in_compute_dtype(model, mixed_precision=False):
-        model(**batch)  # without mixed precision the context changes nothing
 
 
 def test_padding_free_data_is_truncated_by_the_recipe(smol_tokenizer, tmp_path):

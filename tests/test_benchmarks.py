@@ -1,0 +1,63 @@
+"""The benchmark scripts' own pieces: the data every setup trains on, the FLOP count, and the GPU script's path
+(run on CPU with a tiny shape; the numbers themselves are the scripts' job, not the tests')."""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+import benchmark  # noqa: E402
+
+
+def test_prompt_completion_copy_keeps_dates_as_text_and_supervises_the_same_tokens(tmp_path, smol_tokenizer):
+    """`datasets` reads a JSON column of ISO dates as timestamps (TRL then trains on `<datetime>`); the copy is Parquet
+    with string columns, and the recipe supervises exactly the tokens it supervises in the chat version."""
+    from datasets import load_dataset
+
+    from utils import build_datasets, load_raw_datasets
+
+    copy = benchmark.prompt_completion_copy(REPO / "data" / "dates", tmp_path / "pc")
+    first = load_dataset(str(copy), split="train")[0]  # as `trl sft --dataset_name` reads it
+    assert first["completion"] == [{"role": "assistant", "content": "2019-02-15"}]
+    supervised = {}
+    for name, source in (("chat", REPO / "data" / "dates"), ("prompt_completion", copy)):
+        data_args = argparse.Namespace(dataset_name=str(source), split_names=["train"])
+        raw, _, data_format = load_raw_datasets(data_args)
+        raw["train"] = raw["train"].select(range(20))
+        tokenized, _ = build_datasets(raw, data_format, smol_tokenizer,
+                                      argparse.Namespace(add_special_tokens=False, append_concat_token=True),
+                                      argparse.Namespace(dataset_text_field="text", max_length=512))
+        supervised[name] = [[t for t in labels if t != -100] for labels in tokenized["train"]["labels"]]
+    assert supervised["chat"] == supervised["prompt_completion"]
+    assert smol_tokenizer.decode(supervised["chat"][0]) == "2019-02-15<|im_end|>"
+
+
+def test_flops_per_token_counts_only_what_the_loss_needs(smol_dir):
+    """SmolLM2-135M, LoRA r=16: 4 x 106.2M decoder weights + 6 x 4.88M LoRA weights + the head at the supervised
+    positions + attention within the examples."""
+    shape = {"supervised_fraction": 0.0, "mean_context": 0.0}
+    base = benchmark.flops_per_token(str(smol_dir), 16, shape)
+    assert base == 4 * 106_168_320 + 6 * 4_884_480
+    with_head = benchmark.flops_per_token(str(smol_dir), 16, {**shape, "supervised_fraction": 0.5})
+    assert with_head - base == pytest.approx(2 * 49152 * 576)
+    with_attention = benchmark.flops_per_token(str(smol_dir), 16, {**shape, "mean_context": 100})
+    assert with_attention - base == pytest.approx(6 * 30 * 576 * 100)
+
+
+def test_gpu_benchmark_runs_its_path_on_cpu_with_a_tiny_shape(tmp_path, smol_dir):
+    out = tmp_path / "gpu.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "gpu_benchmark.py"), "--shape", "tiny", "--steps", "2",
+                    "--batch", "1", "--seq", "256", "--out", str(out), "--work", str(tmp_path)],
+                   cwd=REPO, check=True, capture_output=True, text=True)
+    results = json.loads(out.read_text())
+    assert results["device"] == "CPU" and set(results["results"]) == {"lora", "qlora"}
+    for row in results["results"].values():
+        assert row["tokens"] > 256 and row["tokens_per_s"] > 0 and 0 < row["mfu_measured_peak"] < 1
+        assert row["peak_rss_gib"] > 0.3
+    assert 30 < results["planned_70b_qlora_one_gpu_gib"] < 80
