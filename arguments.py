@@ -168,7 +168,8 @@ def recipe_defaults() -> dict[str, Any]:
         "output_dir": "outputs/smollm2-dates-lora",
         "use_cpu": not torch.cuda.is_available(),  # transformers refuses bf16 on a GPU-less host unless told so
         "bf16": native_bf16_supported(),  # TRL turns bf16 on everywhere; a CPU without it emulates bf16 very slowly
-        "activation_checkpointing": False,  # TRL turns it on; the GPU launchers turn it on where memory needs it
+        # TRL turns it on; the recipe only where the memory plan does not fit without it (train.py), or when asked
+        "activation_checkpointing": False,
         "learning_rate": 1e-3,  # LoRA on a small model; TRL's 2e-5 suits full fine-tuning
         "lr_scheduler_type": "cosine",
         "warmup_steps": 0.1,  # a float below 1 is a ratio of the total steps

@@ -393,6 +393,36 @@ def memory_fit(s: Setup) -> Problem | None:
                    "--activation_checkpointing, add GPUs, or offload (see `python memory.py --help`)")
 
 
+def choose_activation_checkpointing(s: Setup) -> str | None:
+    """When the user left activation checkpointing unset: on only if the memory plan without it does not fit the
+    memory the run has (each GPU with the allocator's headroom, or this host's available RAM on CPU), since it costs
+    about a third more compute. Sets it on the Setup and returns why, or None when there was nothing to decide."""
+    from dataclasses import replace
+
+    from memory import ALLOCATOR_HEADROOM, Shapes, plan
+
+    if s.model_config is None or s.training.activation_checkpointing or (s.cuda and not s.gpu_gib):
+        return None
+    if s.cuda:
+        capacity, where = s.gpu_gib, "per GPU (with allocator headroom)"
+    else:
+        import psutil
+
+        capacity, where = psutil.virtual_memory().available / 2**30, "of host RAM"
+    shapes, run = Shapes.of(s.model_config), planned_run(s)
+
+    def needed(checkpointing: bool) -> float:
+        p = plan(shapes, replace(run, checkpointing=checkpointing))
+        return p.per_gpu_total * ALLOCATOR_HEADROOM if s.cuda else p.host_total
+
+    if needed(False) <= capacity:
+        return None
+    s.training.activation_checkpointing = True
+    return (f"activation checkpointing turned on: the memory plan needs {needed(False):.1f} GiB {where} without it, "
+            f"{needed(True):.1f} GiB with it, and there are {capacity:.0f} GiB (--activation_checkpointing false keeps "
+            "it off)")
+
+
 RULES: list[Callable[[Setup], Problem | None]] = [
     model_source, dataset_source, flash_attention, bf16_support, fp16_without_gpu, engine_without_gpu,
     quant_storage_dtype, eight_bit_with_fsdp, bnb_optimizer_with_fsdp, qlora_fsdp_loading, ram_efficient_without_sync,

@@ -24,7 +24,8 @@ from transformers import set_seed
 
 from arguments import ConfigError, parse_arguments
 from checkpoints import StopOnSignal, latest_complete
-from checks import Launch, Problem, Setup, added_tokens_under_fsdp, memory_plan, preflight, read_model_config
+from checks import Launch, Problem, Setup, added_tokens_under_fsdp, choose_activation_checkpointing, memory_plan
+from checks import preflight, read_model_config
 from data_validation import DataError, summarize
 from distributed import launch_environment, trainer_class
 from evaluate import evaluate_exact_match, heldout_examples
@@ -165,7 +166,7 @@ def run(argv: list[str] | None = None):
     started = time.time()
     argv, check_only, accelerate_config, gpu_gib = take_mode_flags(sys.argv[1:] if argv is None else argv)
     try:
-        model_args, data_args, training_args, _ = parse_arguments(argv)
+        model_args, data_args, training_args, explicit = parse_arguments(argv)
     except ConfigError as err:
         fail([str(err)])
     launch, elsewhere = launch_in_effect(accelerate_config)
@@ -176,6 +177,9 @@ def run(argv: list[str] | None = None):
     if gpu_gib is None and setup.here and setup.cuda:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     setup.gpu_gib = gpu_gib
+    if not explicit & {"activation_checkpointing", "gradient_checkpointing"}:
+        if reason := choose_activation_checkpointing(setup):
+            log(reason)
     report(preflight(setup))
     if check_only:
         finish_check(setup, elsewhere)
