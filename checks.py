@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,13 @@ class Setup:
     model_config: Any = None  # the model's transformers config, when it could be read without weights
     added_tokens: int | None = None  # tokens the chat template adds to the vocabulary, once the tokenizer is known
     gpu_gib: float | None = None  # memory of each GPU the run gets (this machine's, or --gpu_gib when checking)
+
+    @cached_property
+    def shapes(self):
+        """The model's parameter counts from its meta-device module tree (memory.Shapes), built once per Setup."""
+        from memory import Shapes
+
+        return Shapes.of(self.model_config)
 
     @property
     def quantized_4bit(self) -> bool:
@@ -374,9 +382,9 @@ def planned_run(s: Setup):
 
 
 def memory_plan(s: Setup):
-    from memory import Shapes, plan
+    from memory import plan
 
-    return plan(Shapes.of(s.model_config), planned_run(s))
+    return plan(s.shapes, planned_run(s))
 
 
 def memory_fit(s: Setup) -> Problem | None:
@@ -399,7 +407,7 @@ def choose_activation_checkpointing(s: Setup) -> str | None:
     about a third more compute. Sets it on the Setup and returns why, or None when there was nothing to decide."""
     from dataclasses import replace
 
-    from memory import ALLOCATOR_HEADROOM, Shapes, plan
+    from memory import ALLOCATOR_HEADROOM, plan
 
     if s.model_config is None or s.training.activation_checkpointing or (s.cuda and not s.gpu_gib):
         return None
@@ -409,7 +417,7 @@ def choose_activation_checkpointing(s: Setup) -> str | None:
         import psutil
 
         capacity, where = psutil.virtual_memory().available / 2**30, "of host RAM"
-    shapes, run = Shapes.of(s.model_config), planned_run(s)
+    shapes, run = s.shapes, planned_run(s)
 
     def needed(checkpointing: bool) -> float:
         p = plan(shapes, replace(run, checkpointing=checkpointing))
