@@ -250,6 +250,8 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[ModelArguments, Data
         merged.pop("activation_checkpointing")
     if merged.get("bf16") and "fp16" in explicit and "bf16" not in explicit:
         merged["bf16"] = False  # asking for fp16 replaces the bf16 default
+    if merged.get("packing_strategy") == "wrapped" and "padding_free" not in explicit:
+        merged["padding_free"] = False  # wrapped rows cut examples anyway; TRL advises against padding-free there
 
     objects = []
     for cls in ARGUMENT_CLASSES:

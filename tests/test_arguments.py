@@ -46,6 +46,14 @@ def test_recipe_defaults_apply_where_nothing_is_set():
     assert training_args.activation_checkpointing is False  # TRL's default is True
     assert training_args.bf16 == defaults["bf16"]
     assert training_args.hub_private_repo is True
+    assert training_args.padding_free  # attention within each example (fast_paths.py)
+
+
+def test_wrapped_packing_turns_the_padding_free_default_off_but_not_an_explicit_choice():
+    wrapped = ["--packing", "true", "--packing_strategy", "wrapped"]
+    assert not parse_arguments(wrapped)[2].padding_free
+    assert parse_arguments([*wrapped, "--padding_free", "true"])[2].padding_free
+    assert parse_arguments(["--packing", "true"])[2].padding_free  # bfd packing is padding-free anyway
 
 
 def test_every_sft_config_flag_is_accepted():
