@@ -56,8 +56,8 @@ def model_card(summary: dict) -> str:
         metrics.append(f"- held-out exact match: {results['exact_match_before']:.1%} before, "
                        f"{results['exact_match_after']:.1%} after")
     hyper = ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "learning_rate", "lr_scheduler_type",
-             "per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing", "padding_free", "max_steps",
-             "num_train_epochs", "bf16", "chat_template_format"]
+             "per_device_train_batch_size", "gradient_accumulation_steps", "max_length", "packing", "padding_free",
+             "max_steps", "num_train_epochs", "bf16", "chat_template_format"]
     table = "\n".join(f"| {key} | {args[key]} |" for key in hyper if key in args)
     plot = f"\n![training curves]({PLOT_FILE})\n" if summary.get("plot") else ""
     return f"""---

@@ -32,8 +32,8 @@ from evaluate import evaluate_exact_match, heldout_examples
 from export import publish
 from fast_paths import score_labelled_positions_only
 from report import TRAINING_KEYS, write_run_report
-from utils import DEFAULT_MODEL_DIR, attention_implementation, build_datasets, build_model, build_peft_config, build_tokenizer
-from utils import convert_default_model, drop_bad, load_raw_datasets, token_counts
+from utils import DEFAULT_MODEL_DIR, attention_implementation, build_datasets, build_model, build_peft_config
+from utils import build_tokenizer, convert_default_model, drop_bad, load_raw_datasets, token_counts
 
 
 def log(message: str) -> None:

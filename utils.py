@@ -399,8 +399,9 @@ def build_datasets(raw, data_format: str, tokenizer, data_args, training_args) -
             longest = max(longest, len(example["input_ids"]))
             if problem := too_long(example, training_args.max_length):
                 bad.append(BadExample(example[ORIGIN], problem))
-        if training_args.max_length and longest > training_args.max_length and not getattr(training_args, "packing", False):
-            # Truncated here rather than by TRL, which refuses to truncate padding-free batches (packing cuts its own)
+        # Truncated here rather than by TRL, which refuses to truncate padding-free batches (packing cuts its own)
+        packing = getattr(training_args, "packing", False)
+        if training_args.max_length and longest > training_args.max_length and not packing:
             dataset = dataset.map(truncate, fn_kwargs={"max_length": training_args.max_length},
                                   desc=f"Truncating {split}")
         tokenized[split] = dataset
