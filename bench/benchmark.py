@@ -8,7 +8,7 @@ each setup, alternating, `--repeats` times; each run is a fresh process. The dem
 prompt/completion, so TRL also trains on the completions only and the loss curves compare. Printed side by side:
 trained (non-padding) tokens per second, seconds per step, peak RSS, the loss curve, the ratios to the recipe, and
 FLOPs utilisation: model FLOPs per trained token times tokens/s, over the matmul peak this script measures on the same
-machine in the same dtype. The FLOPs count only the work the loss needs: every weight forward and input-gradient,
+machine in the same dtype just before each run. The FLOPs count only the work the loss needs: every weight forward and input-gradient,
 weight gradients for the LoRA weights only (frozen weights get none), the LM head at the supervised positions only,
 and causal attention within each example.
 
@@ -219,7 +219,7 @@ def main() -> None:
     convert_default_model()
     precision = "bf16" if native_bf16_supported() else "fp32"
     threads = os.cpu_count() or 1
-    peak = matmul_peak_gflops(torch.bfloat16 if precision == "bf16" else torch.float32, threads)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     work = REPO / "outputs" / "bench"
     data = prompt_completion_copy(REPO / "data" / "dates", work / "dates-prompt-completion")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -227,7 +227,9 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name in commands}
     for repeat in range(args.repeats):
         for name, (command, extra_env) in commands.items():  # alternated: drift hits every setup alike
-            results[name].append(run(command, {**env, **extra_env}))
+            # the machine's speed drifts: each run's utilisation is against the matmul peak measured just before it
+            peak = matmul_peak_gflops(dtype, threads)
+            results[name].append({**run(command, {**env, **extra_env}), "matmul_peak_gflops": peak})
             print(f"repeat {repeat + 1}: {name}: {results[name][-1]['seconds']:.1f} s", flush=True)
 
     shape = data_shape(data)
@@ -236,13 +238,17 @@ def main() -> None:
     for name, runs in results.items():
         seconds = statistics.median(r["seconds"] for r in runs)
         tokens = runs[0]["tokens"]
+        utilisation = statistics.median(per_token * r["tokens"] / r["seconds"] / (r["matmul_peak_gflops"] * 1e9)
+                                        for r in runs)
         table[name] = {"tokens_per_s": tokens / seconds, "s_per_step": seconds / args.steps,
                        "peak_rss_gib": max(r["peak_rss_gib"] or 0 for r in runs), "final_loss": runs[0]["final_loss"],
-                       "flops_utilisation": per_token * tokens / seconds / (peak * 1e9), "losses": runs[0]["losses"]}
+                       "flops_utilisation": utilisation, "losses": runs[0]["losses"]}
     ablated = ablation(DEFAULT_MODEL_DIR, str(data), args.ablation_repeats)
 
     base = table["recipe (defaults)"]["tokens_per_s"]
-    print(f"\n{time.strftime('%Y-%m-%d')}, {threads} CPU threads, {precision}; matmul peak {peak:.0f} GFLOP/s; "
+    peaks = [r["matmul_peak_gflops"] for runs in results.values() for r in runs]
+    print(f"\n{time.strftime('%Y-%m-%d')}, {threads} CPU threads, {precision}; matmul peak {min(peaks):.0f}-"
+          f"{max(peaks):.0f} GFLOP/s (measured before each run); "
           f"{per_token / 1e6:.0f} MFLOP per trained token ({shape['supervised_fraction']:.1%} of tokens supervised, "
           f"examples of {shape['mean_context']:.0f} tokens); {args.steps} steps of 4 x 256 packed tokens, median of "
           f"{args.repeats}")
@@ -257,7 +263,7 @@ def main() -> None:
     for name, seconds in ablated.items():
         print(f"{name:34s} {seconds:6.2f} s  {seconds / ablated['recipe (every shortcut)']:5.2f}x the recipe's")
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "threads": threads,
-                                          "precision": precision, "matmul_peak_gflops": peak, "data": shape,
+                                          "precision": precision, "data": shape,
                                           "flops_per_token": per_token, "steps": args.steps, "runs": results,
                                           "table": table, "ablation_seconds": ablated}, indent=2))
 
