@@ -8,9 +8,9 @@ each setup, alternating, `--repeats` times; each run is a fresh process. The dem
 prompt/completion, so TRL also trains on the completions only and the loss curves compare. Printed side by side:
 trained (non-padding) tokens per second, seconds per step, peak RSS, the loss curve, the ratios to the recipe, and
 FLOPs utilisation: model FLOPs per trained token times tokens/s, over the matmul peak this script measures on the same
-machine in the same dtype just before each run. The FLOPs count only the work the loss needs: every weight forward and input-gradient,
-weight gradients for the LoRA weights only (frozen weights get none), the LM head at the supervised positions only,
-and causal attention within each example.
+machine in the same dtype just before each run. The FLOPs count only the work the loss needs: every weight forward
+and input-gradient, weight gradients for the LoRA weights only (frozen weights get none), the LM head at the
+supervised positions only, and causal attention within each example.
 
 Then an ablation, in one process: forward + backward of one recipe batch with each of fast_paths.py's shortcuts
 switched off in turn (and a padded batch of the same examples), alternated: what each one buys.
