@@ -423,10 +423,11 @@ def choose_activation_checkpointing(s: Setup) -> str | None:
         p = plan(shapes, replace(run, checkpointing=checkpointing))
         return p.per_gpu_total * ALLOCATOR_HEADROOM if s.cuda else p.host_total
 
-    if needed(False) <= capacity:
+    without = needed(False)
+    if without <= capacity:
         return None
     s.training.activation_checkpointing = True
-    return (f"activation checkpointing turned on: the memory plan needs {needed(False):.1f} GiB {where} without it, "
+    return (f"activation checkpointing turned on: the memory plan needs {without:.1f} GiB {where} without it, "
             f"{needed(True):.1f} GiB with it, and there are {capacity:.0f} GiB (--activation_checkpointing false keeps "
             "it off)")
 

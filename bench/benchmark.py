@@ -36,17 +36,22 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def matmul_peak_gflops(dtype: torch.dtype, threads: int) -> float:
-    """Best of a few large matmuls in `dtype` on this CPU: the ceiling a training step's matmuls can reach."""
+def matmul_peak_gflops(dtype: torch.dtype, threads: int, device: str = "cpu") -> float:
+    """Best of a few large matmuls in `dtype` on `device`: the ceiling a training step's matmuls can reach."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(1024, 1536, dtype=dtype), torch.randn(1536, 1536, dtype=dtype)
+    rows, inner = (8192, 8192) if device == "cuda" else (1024, 1536)
+    a = torch.randn(rows, inner, dtype=dtype, device=device)
+    b = torch.randn(inner, inner, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     best = 0.0
     for _ in range(5):
         a @ b
+        sync()
         start, reps = time.perf_counter(), 20
         for _ in range(reps):
             a @ b
-        best = max(best, 2 * 1024 * 1536 * 1536 * reps / (time.perf_counter() - start) / 1e9)
+        sync()
+        best = max(best, 2 * rows * inner * inner * reps / (time.perf_counter() - start) / 1e9)
     return best
 
 
@@ -90,15 +95,22 @@ def run(command: list[str], env: dict) -> dict:
     final = next(entry for entry in logs if "train_runtime" in entry)
     tokens = max(float(entry["num_tokens"]) for entry in logs if "num_tokens" in entry)
     peak = re.findall(r"PEAK_RSS_BYTES (\d+)", output)
+    gpu = [int(x) / 2**30 for x in (re.findall(r"PEAK_GPU_BYTES (\d+) (\d+)", output) or [(0, 0)])[-1]]
     return {"seconds": float(final["train_runtime"]), "wall": time.time() - start, "tokens": tokens,
-            "final_loss": losses[-1], "losses": losses, "peak_rss_gib": int(peak[-1]) / 2**30 if peak else None}
+            "final_loss": losses[-1], "losses": losses, "peak_rss_gib": int(peak[-1]) / 2**30 if peak else None,
+            "gpu_allocated_gib": gpu[0], "gpu_reserved_gib": gpu[1]}
 
 
-# A wrapper that runs a console entry point in-process and prints the process's peak RSS at exit.
-# `trl sft` trains in a child process (its launcher), so the peak is the larger of this process and its children.
+# A wrapper that runs a console entry point in-process and prints the process's peak RSS at exit, and its peak GPU
+# memory (allocated, reserved) when it used CUDA. `trl sft` trains in a child process (its launcher), so the RSS peak
+# is the larger of this process and its children.
 PEAK = ("import atexit, resource, runpy, sys; "
         "atexit.register(lambda: print('PEAK_RSS_BYTES', 1024 * max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
         " resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))); "
+        "cuda = lambda: 'torch' in sys.modules and sys.modules['torch'].cuda.is_available() "
+        "and sys.modules['torch'].cuda; "
+        "atexit.register(lambda: cuda() and print('PEAK_GPU_BYTES', cuda().max_memory_allocated(),"
+        " cuda().max_memory_reserved())); "
         "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
@@ -119,8 +131,8 @@ def setups(model: str, data: str, steps: int, out: Path, precision: str, threads
     trl = [sys.executable, "-c", PEAK, str(Path(sys.executable).parent / "trl"), "sft", "--model_name_or_path", model,
            "--dataset_name", data, "--max_steps", str(steps), *COMMON, *lora, "--use_cpu", "true"]
     return {
-        "recipe (defaults)": ([sys.executable, "-c", PEAK, "train.py", *recipe_argv(model, data, steps, out / "recipe")],
-                              {}),
+        "recipe (defaults)": (
+            [sys.executable, "-c", PEAK, "train.py", *recipe_argv(model, data, steps, out / "recipe")], {}),
         "trl sft (defaults)": ([*trl, "--output_dir", str(out / "trl-default")], {}),
         # The recipe's numerics and settings: precision, no checkpointing, sdpa, no LoRA dropout, and every core (its
         # launcher would otherwise pin one thread).

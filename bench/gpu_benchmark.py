@@ -6,8 +6,8 @@
 The weights are random, initialised from the shape's config and saved once under outputs/bench/ (no download): speed
 and memory do not depend on their values. Each method runs in a fresh process; printed: trained tokens/s, seconds per
 step, peak memory (GPU allocated and reserved, or RSS on CPU), and MFU: model FLOPs per trained token
-(bench/benchmark.py's count) times tokens/s over the bf16 peak, both the datasheet's (where this script knows the
-GPU) and the matmul peak it measures. The 70B-class QLoRA memory figure comes from `memory.py` (planned, not run:
+(bench/benchmark.py's count, runner and matmul peak) times tokens/s over the bf16 peak, both the datasheet's (where
+this script knows the GPU) and the measured one. The 70B-class QLoRA memory figure comes from `memory.py` (planned, not run:
 a random 70B checkpoint does not fit the disk of the machines this was written for).
 """
 
@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,14 +35,6 @@ SHAPES = {
 # Dense bf16 tensor-core peaks from the datasheets, TFLOP/s (SXM parts)
 DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
 METHODS = {"lora": [], "qlora": ["--use_4bit_quantization", "true"]}
-
-# Runs train.py in-process and prints its peak memory at exit: GPU allocated/reserved, and the RSS of the process.
-PEAK = ("import atexit, resource, runpy, sys, torch; "
-        "atexit.register(lambda: print('PEAK', torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,"
-        " torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0,"
-        " 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)); "
-        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-
 
 def random_model(shape: str, work: Path) -> Path:
     """A checkpoint of the shape with random weights and SmolLM2's tokenizer (its ids fit any larger vocabulary)."""
@@ -68,43 +58,20 @@ def random_model(shape: str, work: Path) -> Path:
     return out
 
 
-def matmul_peak_tflops() -> float:
-    """Best of a few large bf16 matmuls on this GPU (or CPU)."""
-    cuda = torch.cuda.is_available()
-    size = 8192 if cuda else 1024
-    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda" if cuda else "cpu")
-    best = 0.0
-    for _ in range(5):
-        if cuda:
-            torch.cuda.synchronize()
-        start, reps = time.perf_counter(), 10
-        for _ in range(reps):
-            a @ a
-        if cuda:
-            torch.cuda.synchronize()
-        best = max(best, 2 * size**3 * reps / (time.perf_counter() - start) / 1e12)
-    return best
-
-
 def train(model_dir: Path, data: Path, work: Path, method: str, steps: int, batch: int, seq: int) -> dict:
+    from benchmark import PEAK, recipe_argv, run
     from utils import is_flash_attn_installed
 
     # FlashAttention's varlen kernel where it is installed (CUDA); the recipe's sdpa_varlen otherwise
     flash = ["--use_flash_attn", "true"] if torch.cuda.is_available() and is_flash_attn_installed() else []
-    command = [sys.executable, "-c", PEAK, "train.py", "--model_name_or_path", str(model_dir), "--dataset_name",
-               str(data), "--splits", "train", "--eval_num_prompts", "0", "--output_dir",
-               str(work / f"gpu-{method}"), "--overwrite_output_dir", "true", "--max_steps",
-               str(steps), "--per_device_train_batch_size", str(batch), "--max_length", str(seq), "--packing", "true",
-               "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true", *METHODS[method], *flash]
-    process = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-    if process.returncode != 0:
-        raise RuntimeError(f"train.py ({method}) failed:\n{(process.stdout + process.stderr)[-3000:]}")
-    runtime = float(re.findall(r"'train_runtime': '?([0-9.]+)", process.stdout)[-1])
-    tokens = max(float(x) for x in re.findall(r"'num_tokens': '?([0-9.]+)", process.stdout))
-    allocated, reserved, rss = (int(x) for x in re.findall(r"PEAK (\d+) (\d+) (\d+)", process.stdout)[-1])
-    return {"attention": "flash_attention_2" if flash else "sdpa_varlen", "tokens_per_s": tokens / runtime, "s_per_step": runtime / steps, "tokens": tokens,
-            "gpu_allocated_gib": allocated / 2**30, "gpu_reserved_gib": reserved / 2**30, "peak_rss_gib": rss / 2**30}
+    argv = [*recipe_argv(str(model_dir), str(data), steps, work / f"gpu-{method}"),
+            # after the CPU benchmark's batch shape, so these win
+            "--per_device_train_batch_size", str(batch), "--max_length", str(seq), *METHODS[method], *flash]
+    result = run([sys.executable, "-c", PEAK, "train.py", *argv],
+                 {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    return {"attention": "flash_attention_2" if flash else "sdpa_varlen",
+            "tokens_per_s": result["tokens"] / result["seconds"], "s_per_step": result["seconds"] / steps,
+            **{key: result[key] for key in ("tokens", "gpu_allocated_gib", "gpu_reserved_gib", "peak_rss_gib")}}
 
 
 def planned_70b_qlora_gib(seq: int) -> float:
@@ -125,14 +92,15 @@ def main() -> None:
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench"), help="checkpoint and run folders")
     args = parser.parse_args()
 
-    from benchmark import data_shape, flops_per_token, prompt_completion_copy
+    from benchmark import data_shape, flops_per_token, matmul_peak_gflops, prompt_completion_copy
 
     work = Path(args.work)
     model_dir = random_model(args.shape, work)
     data = prompt_completion_copy(REPO / "data" / "dates", work / "dates-prompt-completion")
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     datasheet = next((peak for name, peak in DATASHEET_BF16_TFLOPS.items() if name in device), None)
-    measured = matmul_peak_tflops()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    measured = matmul_peak_gflops(torch.bfloat16, os.cpu_count() or 1, device_type) / 1e3  # TFLOP/s
     per_token = flops_per_token(str(model_dir), 16, data_shape(data))
     results = {}
     for method in METHODS:
@@ -141,7 +109,8 @@ def main() -> None:
         row["mfu_datasheet"] = achieved / datasheet if datasheet else None
         row["mfu_measured_peak"] = achieved / measured
     print(f"\n{time.strftime('%Y-%m-%d')}, {device}; {args.shape} (random weights), LoRA r=16 all-linear, "
-          f"{args.batch} x {args.seq} packed tokens, {args.steps} steps; {per_token / 1e9:.3g} GFLOP per trained token; "
+          f"{args.batch} x {args.seq} packed tokens, {args.steps} steps; {per_token / 1e9:.3g} GFLOP per trained "
+          "token; "
           f"bf16 peak: datasheet {datasheet or 'unknown'} TFLOP/s, measured {measured:.3g} TFLOP/s")
     for method, row in results.items():
         mfu = f"{row['mfu_datasheet']:.0%}" if row["mfu_datasheet"] is not None else "n/a"
@@ -149,8 +118,8 @@ def main() -> None:
               f"(of measured peak {row['mfu_measured_peak']:.0%})  GPU {row['gpu_allocated_gib']:.1f} GiB allocated, "
               f"{row['gpu_reserved_gib']:.1f} reserved; RSS {row['peak_rss_gib']:.1f} GiB")
     planned = planned_70b_qlora_gib(args.seq)
-    print(f"Llama-2-70B QLoRA on one GPU, 1 x {args.seq} tokens, checkpointing: {planned:.1f} GiB allocated, planned by "
-          "memory.py (not run)")
+    print(f"Llama-2-70B QLoRA on one GPU, 1 x {args.seq} tokens, checkpointing: {planned:.1f} GiB allocated, "
+          "planned by memory.py (not run)")
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": device, "shape": args.shape,
                                           "steps": args.steps, "batch": args.batch, "seq": args.seq,
                                           "flops_per_token": per_token, "datasheet_tflops": datasheet,
