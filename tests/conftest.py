@@ -52,3 +52,21 @@ def chat_dir(tmp_path_factory) -> Path:
         lines = (REPO / "data" / "dates" / f"{split}.jsonl").read_text().splitlines()[:n]
         (out / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     return out
+
+
+@pytest.fixture(scope="session")
+def recipe_examples(smol_tokenizer):
+    """The first n train examples of a data folder, tokenized as the recipe tokenizes them (input_ids, labels)."""
+    import argparse
+
+    from utils import build_datasets, drop_bad, load_raw_datasets
+
+    def tokenize(source: Path, n: int) -> list[dict]:
+        raw, _, data_format = load_raw_datasets(argparse.Namespace(dataset_name=str(source), split_names=["train"]))
+        raw["train"] = raw["train"].select(range(n))
+        tokenized, _ = build_datasets(raw, data_format, smol_tokenizer,
+                                      argparse.Namespace(add_special_tokens=False, append_concat_token=True),
+                                      argparse.Namespace(dataset_text_field="text", max_length=512))
+        return list(drop_bad(tokenized, [])["train"])
+
+    return tokenize

@@ -1,7 +1,6 @@
 """The benchmark scripts' own pieces: the data every setup trains on, the FLOP count, and the GPU script's path
 (run on CPU with a tiny shape; the numbers themselves are the scripts' job, not the tests')."""
 
-import argparse
 import json
 import subprocess
 import sys
@@ -15,25 +14,17 @@ sys.path.insert(0, str(REPO / "bench"))
 import benchmark  # noqa: E402
 
 
-def test_prompt_completion_copy_keeps_dates_as_text_and_supervises_the_same_tokens(tmp_path, smol_tokenizer):
+def test_prompt_completion_copy_keeps_dates_as_text_and_supervises_the_same_tokens(tmp_path, smol_tokenizer,
+                                                                                   recipe_examples):
     """`datasets` reads a JSON column of ISO dates as timestamps (TRL then trains on `<datetime>`); the copy is Parquet
     with string columns, and the recipe supervises exactly the tokens it supervises in the chat version."""
     from datasets import load_dataset
 
-    from utils import build_datasets, load_raw_datasets
-
     copy = benchmark.prompt_completion_copy(REPO / "data" / "dates", tmp_path / "pc")
     first = load_dataset(str(copy), split="train")[0]  # as `trl sft --dataset_name` reads it
     assert first["completion"] == [{"role": "assistant", "content": "2019-02-15"}]
-    supervised = {}
-    for name, source in (("chat", REPO / "data" / "dates"), ("prompt_completion", copy)):
-        data_args = argparse.Namespace(dataset_name=str(source), split_names=["train"])
-        raw, _, data_format = load_raw_datasets(data_args)
-        raw["train"] = raw["train"].select(range(20))
-        tokenized, _ = build_datasets(raw, data_format, smol_tokenizer,
-                                      argparse.Namespace(add_special_tokens=False, append_concat_token=True),
-                                      argparse.Namespace(dataset_text_field="text", max_length=512))
-        supervised[name] = [[t for t in labels if t != -100] for labels in tokenized["train"]["labels"]]
+    supervised = {name: [[t for t in example["labels"] if t != -100] for example in recipe_examples(source, 20)]
+                  for name, source in (("chat", REPO / "data" / "dates"), ("prompt_completion", copy))}
     assert supervised["chat"] == supervised["prompt_completion"]
     assert smol_tokenizer.decode(supervised["chat"][0]) == "2019-02-15<|im_end|>"
 

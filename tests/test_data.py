@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from utils import IGNORE_INDEX, build_datasets, build_tokenizer, detect_format, drop_bad, load_raw_datasets
+from utils import IGNORE_INDEX, build_datasets, build_tokenizer, detect_format, load_raw_datasets
 from utils import tokenize_example
 
 CHAT = [
@@ -153,22 +153,19 @@ def per_token_losses(model, input_ids, labels, position_ids=None):
     return losses[labels[1:] != -100]
 
 
-def test_packing_keeps_every_token_and_examples_do_not_see_their_neighbours(tiny_model_dir, smol_tokenizer, chat_dir):
+def test_packing_keeps_every_token_and_examples_do_not_see_their_neighbours(tiny_model_dir, smol_tokenizer, chat_dir,
+                                                                            recipe_examples):
     """The recipe's packed batches (TRL bfd, sdpa) give each example exactly the loss it has alone."""
+    from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    raw, _, data_format = load_raw_datasets(argparse.Namespace(dataset_name=str(chat_dir), split_names=["train"]))
-    raw["train"] = raw["train"].select(range(6))
-    data_args = argparse.Namespace(add_special_tokens=False, append_concat_token=True)
-    tokenized, _ = build_datasets(raw, data_format, smol_tokenizer, data_args,
-                                  argparse.Namespace(dataset_text_field="text", max_length=512))
-    datasets = drop_bad(tokenized, [])
-    examples = list(datasets["train"])
+    examples = recipe_examples(chat_dir, 6)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     config = SFTConfig(output_dir="unused", packing=True, max_length=512, per_device_train_batch_size=1,
                        use_cpu=True, bf16=False, report_to="none", shuffle_dataset=False)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=datasets["train"], processing_class=smol_tokenizer)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(examples),
+                         processing_class=smol_tokenizer)
     batch = next(iter(trainer.get_train_dataloader()))
     assert "attention_mask" not in batch  # padding-free: the boundaries travel in position_ids
     ids, labels, positions = batch["input_ids"][0], batch["labels"][0], batch["position_ids"][0]

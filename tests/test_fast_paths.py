@@ -7,17 +7,12 @@ import pytest
 import torch
 
 from fast_paths import register_attention, score_labelled_positions_only
-from utils import build_datasets, drop_bad, load_raw_datasets
+from utils import build_datasets
 
 
 @pytest.fixture(scope="module")
-def examples(smol_tokenizer, chat_dir):
-    raw, _, data_format = load_raw_datasets(argparse.Namespace(dataset_name=str(chat_dir), split_names=["train"]))
-    raw["train"] = raw["train"].select(range(5))
-    tokenized, _ = build_datasets(raw, data_format, smol_tokenizer,
-                                  argparse.Namespace(add_special_tokens=False, append_concat_token=True),
-                                  argparse.Namespace(dataset_text_field="text", max_length=512))
-    return list(drop_bad(tokenized, [])["train"])
+def examples(recipe_examples, chat_dir):
+    return recipe_examples(chat_dir, 5)
 
 
 def collate(examples, tokenizer, padding_free: bool) -> dict:
