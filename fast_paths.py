@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
@@ -23,6 +24,8 @@ ATTENTION = "sdpa_varlen"
 CPU_FP32_ATTENTION_UP_TO = 512
 
 
+# Opaque to torch.compile: the loop's length is data (the number of examples), which would recompile every batch
+@torch.compiler.disable
 def sdpa_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                         cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -75,3 +78,13 @@ def score_labelled_positions_only() -> None:
 
     compact.labelled_only = True
     trl_utils._use_triton = compact
+
+
+def compile_per_layer_by_default() -> str:
+    """`--torch_compile`: unless the accelerate config says otherwise, compile each decoder layer (one graph serves
+    them all, so it compiles in a fraction of the whole model's time) for any length (padding-free batches change
+    length every step). Returns what will be compiled, for the log."""
+    os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
+    os.environ.setdefault("ACCELERATE_DYNAMO_USE_DYNAMIC", "true")
+    regional = os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"].lower() in ("1", "true", "yes")
+    return "each decoder layer" if regional else "the whole model"

@@ -30,7 +30,7 @@ from data_validation import DataError, summarize
 from distributed import launch_environment, trainer_class
 from evaluate import evaluate_exact_match, heldout_examples
 from export import publish
-from fast_paths import score_labelled_positions_only
+from fast_paths import compile_per_layer_by_default, score_labelled_positions_only
 from report import TRAINING_KEYS, write_run_report
 from utils import DEFAULT_MODEL_DIR, attention_implementation, build_datasets, build_model, build_peft_config
 from utils import build_tokenizer, convert_default_model, drop_bad, load_raw_datasets, token_counts
@@ -186,12 +186,14 @@ def run(argv: list[str] | None = None):
         return None, {}
 
     set_seed(training_args.seed)
+    compiled = compile_per_layer_by_default() if training_args.torch_compile else "no"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    log(f"device: {world_size} x {device}, precision: {'bf16' if training_args.bf16 else 'fp16' if training_args.fp16 else 'fp32'}, "
-        f"activation checkpointing: {training_args.activation_checkpointing}, torch threads: {torch.get_num_threads()}, "
-        f"attention: {attention_implementation(model_args)}, "
-        f"batches: {'packed' if training_args.packing else 'padding-free' if training_args.padding_free else 'padded'}")
+    precision = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+    batches = "packed" if training_args.packing else "padding-free" if training_args.padding_free else "padded"
+    log(f"device: {world_size} x {device}, precision: {precision}, activation checkpointing: "
+        f"{training_args.activation_checkpointing}, torch threads: {torch.get_num_threads()}, attention: "
+        f"{attention_implementation(model_args)}, batches: {batches}, compiled: {compiled}")
 
     data = prepare_data(setup)
     tokenizer, added_token_ids, datasets = data.tokenizer, data.added_token_ids, data.datasets

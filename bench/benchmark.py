@@ -12,8 +12,10 @@ machine in the same dtype just before each run. The FLOPs count only the work th
 and input-gradient, weight gradients for the LoRA weights only (frozen weights get none), the LM head at the
 supervised positions only, and causal attention within each example.
 
-Then an ablation, in one process: forward + backward of one recipe batch with each of fast_paths.py's shortcuts
-switched off in turn (and a padded batch of the same examples), alternated: what each one buys.
+Then the matmul ceiling: the utilisation a step would reach if everything but its matmuls took no time (each of the
+step's matrix products timed alone at its own shape). Then an ablation, in one process: forward + backward of one
+recipe batch with each of fast_paths.py's shortcuts switched off in turn (and a padded batch of the same examples), and
+with `--torch_compile`'s per-layer compilation (after the compiling step), alternated: what each one buys.
 Not a test: numbers vary with the machine; the README keeps a dated table.
 """
 
@@ -53,6 +55,44 @@ def matmul_peak_gflops(dtype: torch.dtype, threads: int, device: str = "cpu") ->
         sync()
         best = max(best, 2 * rows * inner * inner * reps / (time.perf_counter() - start) / 1e9)
     return best
+
+
+def step_matmuls(model_dir: str, lora_r: int, tokens: int, supervised: int) -> list[tuple[tuple, bool, int]]:
+    """One LoRA training step's matmuls as ((m, k, n), weight_transposed, count): each decoder linear's forward (x @
+    W^T) and input gradient (g @ W), its LoRA branch's forward, input and weight gradients, and the LM head's forward
+    and input gradient at the supervised positions."""
+    from memory import load_config, meta_model
+
+    model = meta_model(load_config(model_dir))
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    products = []
+    for linear in (m for m in layers[0].modules() if isinstance(m, torch.nn.Linear)):
+        d_in, d_out, r = linear.in_features, linear.out_features, lora_r
+        products += [((tokens, d_in, d_out), True), ((tokens, d_out, d_in), False),  # frozen weight
+                     ((tokens, d_in, r), True), ((tokens, r, d_out), True),  # LoRA forward
+                     ((tokens, d_out, r), False), ((tokens, r, d_in), False),  # LoRA input gradients
+                     ((d_out, tokens, r), False), ((r, tokens, d_in), False)]  # LoRA weight gradients
+    counted = [(shape, transposed, len(layers)) for shape, transposed in products]
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    return counted + [((supervised, hidden, vocab), True, 1), ((supervised, vocab, hidden), False, 1)]
+
+
+def matmul_seconds(products: list[tuple[tuple, bool, int]], dtype: torch.dtype, threads: int) -> float:
+    """Best-of-3 time of `products` (from step_matmuls), each timed alone on random operands in its own layout."""
+    torch.set_num_threads(threads)
+    total = 0.0
+    for (m, k, n), transposed, count in products:
+        a = torch.randn(m, k, dtype=dtype)
+        b = torch.randn(n, k, dtype=dtype).t() if transposed else torch.randn(k, n, dtype=dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(3):
+            start, reps = time.perf_counter(), 5
+            for _ in range(reps):
+                a @ b
+            best = min(best, (time.perf_counter() - start) / reps)
+        total += best * count
+    return total
 
 
 def data_shape(data_dir: Path) -> dict:
@@ -163,8 +203,9 @@ def prompt_completion_copy(source: Path, out: Path) -> Path:
     return out
 
 
-def ablation(model: str, data: str, repeats: int) -> dict[str, float]:
-    """Median seconds of forward + backward of one recipe batch with each shortcut off in turn, alternated."""
+def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, float], int]:
+    """Median seconds of forward + backward of one recipe batch with each shortcut off in turn, and with the decoder
+    layers compiled, alternated (after a warm-up step each, which compiles); and the batch's tokens."""
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as trl_utils
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -191,10 +232,17 @@ def ablation(model: str, data: str, repeats: int) -> dict[str, float]:
         {"input_ids": packed["input_ids"][0, a:b].tolist(), "labels": packed["labels"][0, a:b].tolist()}
         for a, b in zip(bounds, bounds[1:])])
     compact, every_position = trl_utils._use_triton, kernels._use_triton
+    # --torch_compile's regional compilation, in place so it can be switched off and on between steps
+    layers = base.model.layers
+    for layer in layers:
+        layer.compile(dynamic=True)
+    compiled = [layer._compiled_call_impl for layer in layers]
 
-    def step(attention=ATTENTION, head=compact, batch=packed) -> float:
+    def step(attention=ATTENTION, head=compact, batch=packed, compile=False) -> float:
         base.set_attn_implementation(attention)
         trl_utils._use_triton = head
+        for layer, call in zip(layers, compiled):
+            layer._compiled_call_impl = call if compile else None
         start = time.perf_counter()
         trainer.compute_loss(wrapped, trainer._prepare_inputs(dict(batch))).backward()
         seconds = time.perf_counter() - start
@@ -207,6 +255,7 @@ def ablation(model: str, data: str, repeats: int) -> dict[str, float]:
         "LM head at every position": {"head": every_position},
         "padded batch, same examples": {"batch": padded},
         "none of the shortcuts": {"attention": "sdpa", "head": every_position},
+        "recipe + --torch_compile": {"compile": True},
     }
     for kwargs in variants.values():
         step(**kwargs)  # warm-up
@@ -215,7 +264,7 @@ def ablation(model: str, data: str, repeats: int) -> dict[str, float]:
         for name, kwargs in variants.items():
             times[name].append(step(**kwargs))
     trl_utils._use_triton = compact
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: statistics.median(values) for name, values in times.items()}, packed["input_ids"].numel()
 
 
 def main() -> None:
@@ -255,7 +304,13 @@ def main() -> None:
         table[name] = {"tokens_per_s": tokens / seconds, "s_per_step": seconds / args.steps,
                        "peak_rss_gib": max(r["peak_rss_gib"] or 0 for r in runs), "final_loss": runs[0]["final_loss"],
                        "flops_utilisation": utilisation, "losses": runs[0]["losses"]}
-    ablated = ablation(DEFAULT_MODEL_DIR, str(data), args.ablation_repeats)
+    ablated, batch_tokens = ablation(DEFAULT_MODEL_DIR, str(data), args.ablation_repeats)
+    # The bound: utilisation if everything but the step's matmuls took no time (peak measured alongside, for drift)
+    step_tokens = round(statistics.mean(r["tokens"] for r in results["recipe (defaults)"]) / args.steps)
+    products = step_matmuls(DEFAULT_MODEL_DIR, 16, step_tokens, round(step_tokens * shape["supervised_fraction"]))
+    ceiling_peak = matmul_peak_gflops(dtype, threads)
+    ceiling = per_token * step_tokens / matmul_seconds(products, dtype, threads) / (ceiling_peak * 1e9)
+    ablation_peak = matmul_peak_gflops(dtype, threads)
 
     base = table["recipe (defaults)"]["tokens_per_s"]
     peaks = [r["matmul_peak_gflops"] for runs in results.values() for r in runs]
@@ -271,13 +326,20 @@ def main() -> None:
               f"{row['final_loss']:10.4f} {row['flops_utilisation']:9.0%} {base / row['tokens_per_s']:12.2f}x")
     print("loss curves: " + "; ".join(f"{name}: {' '.join(f'{x:.3f}' for x in row['losses'])}"
                                       for name, row in table.items()))
-    print(f"\nablation: forward + backward of one recipe batch, median of {args.ablation_repeats}")
+    print(f"\nmatmul ceiling: one step's matmuls alone ({step_tokens} tokens, each product timed at its own shape) "
+          f"would make {ceiling:.0%} FLOPs utilisation (peak {ceiling_peak:.0f} GFLOP/s); the rest of a step is "
+          "attention over short examples, elementwise work and the loss")
+    print(f"\nablation: forward + backward of one recipe batch ({batch_tokens} tokens), median of "
+          f"{args.ablation_repeats}; utilisation against a peak of {ablation_peak:.0f} GFLOP/s")
     for name, seconds in ablated.items():
-        print(f"{name:34s} {seconds:6.2f} s  {seconds / ablated['recipe (every shortcut)']:5.2f}x the recipe's")
+        print(f"{name:34s} {seconds:6.2f} s  {seconds / ablated['recipe (every shortcut)']:5.2f}x the recipe's  "
+              f"{per_token * batch_tokens / seconds / (ablation_peak * 1e9):4.0%}")
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "threads": threads,
                                           "precision": precision, "data": shape,
                                           "flops_per_token": per_token, "steps": args.steps, "runs": results,
-                                          "table": table, "ablation_seconds": ablated}, indent=2))
+                                          "table": table, "ablation_seconds": ablated, "ablation_tokens": batch_tokens,
+                                          "ablation_peak_gflops": ablation_peak, "matmul_ceiling": ceiling,
+                                          "matmul_ceiling_peak_gflops": ceiling_peak}, indent=2))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -39,6 +40,16 @@ def test_flops_per_token_counts_only_what_the_loss_needs(smol_dir):
     assert with_head - base == pytest.approx(2 * 49152 * 576)
     with_attention = benchmark.flops_per_token(str(smol_dir), 16, {**shape, "mean_context": 100})
     assert with_attention - base == pytest.approx(6 * 30 * 576 * 100)
+
+
+def test_matmul_ceiling_times_the_products_whose_flops_utilisation_counts(smol_dir):
+    """The ceiling's matrix products are the FLOPs of flops_per_token (attention aside), shape by shape."""
+    products = benchmark.step_matmuls(str(smol_dir), 16, tokens=100, supervised=50)
+    counted = sum(2 * m * k * n * count for (m, k, n), _, count in products)
+    shape = {"supervised_fraction": 0.5, "mean_context": 0.0}
+    assert counted == pytest.approx(100 * benchmark.flops_per_token(str(smol_dir), 16, shape))
+    seconds = benchmark.matmul_seconds([((64, 32, 16), True, 3)], torch.float32, 1)
+    assert 0 < seconds < 1
 
 
 def test_gpu_benchmark_runs_its_path_on_cpu_with_a_tiny_shape(tmp_path, smol_dir):

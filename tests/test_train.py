@@ -67,6 +67,25 @@ def test_lora_trains_only_the_adapter_and_the_saved_adapter_reloads(tiny_model_d
                                logits(trainer.model, trainer.processing_class), rtol=0, atol=0)
 
 
+def test_torch_compile_compiles_each_decoder_layer_and_trains_as_eager(tiny_model_dir, chat_dir, tmp_path, capsys,
+                                                                       monkeypatch):
+    import torch._dynamo
+
+    for name in ("BACKEND", "USE_REGIONAL_COMPILATION", "USE_DYNAMIC"):  # TrainingArguments sets them process-wide
+        monkeypatch.setenv(f"ACCELERATE_DYNAMO_{name}", "")
+        monkeypatch.delenv(f"ACCELERATE_DYNAMO_{name}")
+    runs = {}
+    for mode, extra in (("eager", []), ("compiled", ["--torch_compile", "true"])):
+        argv = tiny_args(tiny_model_dir, chat_dir, tmp_path / mode, "--max_steps", "3", "--splits", "train", *extra)
+        torch._dynamo.utils.counters.clear()
+        trainer, _ = train.run(argv)
+        runs[mode] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert (graphs > 0) == (mode == "compiled"), (mode, graphs)
+    assert "compiled: each decoder layer" in capsys.readouterr().out
+    assert runs["compiled"] == pytest.approx(runs["eager"], rel=2e-3)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_without_chatml(tmp_path_factory):
     """A byte-level BPE tokenizer with only <s>, </s>, <unk>: the chatml template must add its two tokens."""
