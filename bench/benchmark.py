@@ -214,7 +214,7 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, float], int
     from arguments import parse_arguments
     from checks import Launch, Setup
     from distributed import trainer_class
-    from fast_paths import ATTENTION, score_labelled_positions_only
+    from fast_paths import ATTENTION, LabelledLogProbs, score_labelled_positions_only
     from utils import build_model, build_peft_config
 
     model_args, data_args, training_args, _ = parse_arguments(recipe_argv(model, data, 1, REPO / "outputs" / "bench"))
@@ -238,9 +238,11 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, float], int
         layer.compile(dynamic=True)
     compiled = [layer._compiled_call_impl for layer in layers]
 
-    def step(attention=ATTENTION, head=compact, batch=packed, compile=False) -> float:
+    direct, tiled = trl_utils._ChunkedLogProbFunction, LabelledLogProbs.tiled
+
+    def step(attention=ATTENTION, head=compact, scorer=direct, batch=packed, compile=False) -> float:
         base.set_attn_implementation(attention)
-        trl_utils._use_triton = head
+        trl_utils._use_triton, trl_utils._ChunkedLogProbFunction = head, scorer
         for layer, call in zip(layers, compiled):
             layer._compiled_call_impl = call if compile else None
         start = time.perf_counter()
@@ -252,9 +254,10 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, float], int
     variants = {
         "recipe (every shortcut)": {},
         "sdpa over the whole packed row": {"attention": "sdpa"},
-        "LM head at every position": {"head": every_position},
+        "LM head at every position (TRL on CPU)": {"head": every_position, "scorer": tiled},
+        "LM head in TRL's vocabulary tiles": {"scorer": tiled},
         "padded batch, same examples": {"batch": padded},
-        "none of the shortcuts": {"attention": "sdpa", "head": every_position},
+        "none of the shortcuts": {"attention": "sdpa", "head": every_position, "scorer": tiled},
         "recipe + --torch_compile": {"compile": True},
     }
     for kwargs in variants.values():
@@ -263,7 +266,7 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, float], int
     for _ in range(repeats):
         for name, kwargs in variants.items():
             times[name].append(step(**kwargs))
-    trl_utils._use_triton = compact
+    trl_utils._use_triton, trl_utils._ChunkedLogProbFunction = compact, direct
     return {name: statistics.median(values) for name, values in times.items()}, packed["input_ids"].numel()
 
 
@@ -271,7 +274,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--ablation_repeats", type=int, default=5)
+    parser.add_argument("--ablation_repeats", type=int, default=9)
     parser.add_argument("--out", default=str(REPO / "bench" / "benchmark.json"))
     args = parser.parse_args()
 
@@ -332,7 +335,7 @@ def main() -> None:
     print(f"\nablation: forward + backward of one recipe batch ({batch_tokens} tokens), median of "
           f"{args.ablation_repeats}; utilisation against a peak of {ablation_peak:.0f} GFLOP/s")
     for name, seconds in ablated.items():
-        print(f"{name:34s} {seconds:6.2f} s  {seconds / ablated['recipe (every shortcut)']:5.2f}x the recipe's  "
+        print(f"{name:40s} {seconds:6.2f} s  {seconds / ablated['recipe (every shortcut)']:5.2f}x the recipe's  "
               f"{per_token * batch_tokens / seconds / (ablation_peak * 1e9):4.0%}")
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "threads": threads,
                                           "precision": precision, "data": shape,
