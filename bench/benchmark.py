@@ -203,9 +203,11 @@ def prompt_completion_copy(source: Path, out: Path) -> Path:
     return out
 
 
-def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, float], int]:
-    """Median seconds of forward + backward of one recipe batch with each shortcut off in turn, and with the decoder
-    layers compiled, alternated (after a warm-up step each, which compiles); and the batch's tokens."""
+def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int, float]:
+    """Forward + backward of one recipe batch with each shortcut off in turn, and with the decoder layers compiled,
+    alternated in rounds (after a warm-up step each, which compiles): median seconds, median ratio to the recipe's
+    step of the same round, and in how many rounds it beat the recipe; the batch's tokens; the median matmul peak,
+    measured at the start of each round."""
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as trl_utils
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -263,11 +265,18 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, float], int
     for kwargs in variants.values():
         step(**kwargs)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in variants}
+    peaks, dtype = [], torch.bfloat16 if training_args.bf16 else torch.float32
     for _ in range(repeats):
+        peaks.append(matmul_peak_gflops(dtype, torch.get_num_threads()))
         for name, kwargs in variants.items():
             times[name].append(step(**kwargs))
     trl_utils._use_triton, trl_utils._ChunkedLogProbFunction = compact, direct
-    return {name: statistics.median(values) for name, values in times.items()}, packed["input_ids"].numel()
+    recipe = times["recipe (every shortcut)"]
+    # each variant against the recipe's step of the same round: the machine's speed drifts between rounds
+    return {name: {"seconds": statistics.median(values),
+                   "vs_recipe": statistics.median(v / r for v, r in zip(values, recipe)),
+                   "faster_than_recipe": sum(v < r for v, r in zip(values, recipe))}
+            for name, values in times.items()}, packed["input_ids"].numel(), statistics.median(peaks)
 
 
 def main() -> None:
@@ -307,13 +316,13 @@ def main() -> None:
         table[name] = {"tokens_per_s": tokens / seconds, "s_per_step": seconds / args.steps,
                        "peak_rss_gib": max(r["peak_rss_gib"] or 0 for r in runs), "final_loss": runs[0]["final_loss"],
                        "flops_utilisation": utilisation, "losses": runs[0]["losses"]}
-    ablated, batch_tokens = ablation(DEFAULT_MODEL_DIR, str(data), args.ablation_repeats)
+    ablated, batch_tokens, ablation_peak = ablation(DEFAULT_MODEL_DIR, str(data), args.ablation_repeats)
     # The bound: utilisation if everything but the step's matmuls took no time (peak measured alongside, for drift)
     step_tokens = round(statistics.mean(r["tokens"] for r in results["recipe (defaults)"]) / args.steps)
     products = step_matmuls(DEFAULT_MODEL_DIR, 16, step_tokens, round(step_tokens * shape["supervised_fraction"]))
-    ceiling_peak = matmul_peak_gflops(dtype, threads)
-    ceiling = per_token * step_tokens / matmul_seconds(products, dtype, threads) / (ceiling_peak * 1e9)
-    ablation_peak = matmul_peak_gflops(dtype, threads)
+    rounds = [(matmul_peak_gflops(dtype, threads), matmul_seconds(products, dtype, threads)) for _ in range(3)]
+    ceiling = statistics.median(per_token * step_tokens / seconds / (peak * 1e9) for peak, seconds in rounds)
+    ceiling_peak = statistics.median(peak for peak, _ in rounds)
 
     base = table["recipe (defaults)"]["tokens_per_s"]
     peaks = [r["matmul_peak_gflops"] for runs in results.values() for r in runs]
@@ -330,17 +339,18 @@ def main() -> None:
     print("loss curves: " + "; ".join(f"{name}: {' '.join(f'{x:.3f}' for x in row['losses'])}"
                                       for name, row in table.items()))
     print(f"\nmatmul ceiling: one step's matmuls alone ({step_tokens} tokens, each product timed at its own shape) "
-          f"would make {ceiling:.0%} FLOPs utilisation (peak {ceiling_peak:.0f} GFLOP/s); the rest of a step is "
+          f"would make {ceiling:.0%} FLOPs utilisation (median of 3, peak {ceiling_peak:.0f} GFLOP/s); the rest is "
           "attention over short examples, elementwise work and the loss")
-    print(f"\nablation: forward + backward of one recipe batch ({batch_tokens} tokens), median of "
-          f"{args.ablation_repeats}; utilisation against a peak of {ablation_peak:.0f} GFLOP/s")
-    for name, seconds in ablated.items():
-        print(f"{name:40s} {seconds:6.2f} s  {seconds / ablated['recipe (every shortcut)']:5.2f}x the recipe's  "
-              f"{per_token * batch_tokens / seconds / (ablation_peak * 1e9):4.0%}")
+    print(f"\nablation: forward + backward of one recipe batch ({batch_tokens} tokens), {args.ablation_repeats} "
+          f"alternated rounds; utilisation against the median peak of the rounds, {ablation_peak:.0f} GFLOP/s")
+    print(f"{'':40s} {'median':>8s} {'x recipe':>9s} {'faster in':>10s} {'FLOPs util':>10s}")
+    for name, row in ablated.items():
+        print(f"{name:40s} {row['seconds']:6.2f} s {row['vs_recipe']:8.2f}x {row['faster_than_recipe']:4d} of "
+              f"{args.ablation_repeats:<2d} {per_token * batch_tokens / row['seconds'] / (ablation_peak * 1e9):9.0%}")
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "threads": threads,
                                           "precision": precision, "data": shape,
                                           "flops_per_token": per_token, "steps": args.steps, "runs": results,
-                                          "table": table, "ablation_seconds": ablated, "ablation_tokens": batch_tokens,
+                                          "table": table, "ablation": ablated, "ablation_tokens": batch_tokens,
                                           "ablation_peak_gflops": ablation_peak, "matmul_ceiling": ceiling,
                                           "matmul_ceiling_peak_gflops": ceiling_peak}, indent=2))
 
