@@ -8,8 +8,7 @@
   without `cu_seq_lens_q` (padded eval batches, generation) go to plain sdpa, with sdpa's own mask.
 - LM head only where the loss is. TRL's fused LM head projects just the positions that have a label on Triton
   devices, and every position elsewhere (fixed shapes for graph compilers); in eager mode on CPU the fixed shape
-  buys nothing, and a chat example supervises only its answers. On CPU those positions are then scored in one
-  matmul and a log-softmax while their logits fit in memory (`LabelledLogProbs`).
+  buys nothing, and a chat example supervises only its answers.
 """
 
 from __future__ import annotations
@@ -63,46 +62,11 @@ def register_attention() -> str:
     return ATTENTION
 
 
-# Labelled positions x vocabulary up to which CPU scores them in one piece (128 MiB of fp32 logits)
-CPU_DIRECT_HEAD_UP_TO = 2**25
-
-
-class LabelledLogProbs:
-    """TRL's ChunkedLogProbFunction (same arguments, same outputs), in plain autograd on CPU while the logits fit:
-    one matmul and a log-softmax. TRL's tiled function, written for GPUs and run in torch ops on CPU, folds
-    vocabulary chunks into running statistics and copies the head's weight to fp32 in every backward."""
-
-    tiled = None  # TRL's function: GPUs, and logits too large to hold
-
-    @staticmethod
-    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap=None, logit_scale=1.0,
-              outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
-        if hidden.device.type != "cpu" or hidden.shape[0] * weight.shape[0] > CPU_DIRECT_HEAD_UP_TO:
-            return LabelledLogProbs.tiled.apply(hidden, weight, bias, targets, temperature, chunk_size, softcap,
-                                                logit_scale, outputs)
-        if not torch.is_autocast_enabled("cpu"):  # TRL computes in the hidden states' dtype then
-            weight, bias = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
-        logits = torch.nn.functional.linear(hidden, weight, bias).float() * logit_scale
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        logits = logits / temperature
-        log_probs = logits.log_softmax(-1)
-        picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1) if "entropy" in outputs else None
-        with torch.no_grad():  # TRL's are not differentiable either
-            log_sum_sq_probs = torch.logsumexp(2 * log_probs, -1) if "log_sum_sq_probs" in outputs else None
-            mean_logits = logits.mean(-1) if "mean_logits" in outputs else None
-            is_top1 = logits.argmax(-1) == targets if "is_top1" in outputs else None  # the first maximum, as TRL
-        return picked, entropy, log_sum_sq_probs, mean_logits, is_top1
-
-
 def score_labelled_positions_only() -> None:
-    """Let TRL's fused LM head project only the positions with a label on CPU too, in one piece while the logits fit
-    (LabelledLogProbs); idempotent.
+    """Let TRL's fused LM head project only the positions with a label on CPU too (idempotent).
 
-    TRL 1.16 decides the compaction with `trl.trainer.utils._use_triton(device)`, a name that module uses for nothing
-    else (the kernels module keeps its own for the kernel choice), and calls `_ChunkedLogProbFunction` from there;
-    tests/test_fast_paths.py fails if that stops being so."""
+    TRL 1.16 decides this with `trl.trainer.utils._use_triton(device)`, a name that module uses for nothing else (the
+    kernels module keeps its own for the kernel choice); tests/test_fast_paths.py fails if that stops being so."""
     import trl.trainer.utils as trl_utils
 
     decide = trl_utils._use_triton
@@ -114,8 +78,6 @@ def score_labelled_positions_only() -> None:
 
     compact.labelled_only = True
     trl_utils._use_triton = compact
-    LabelledLogProbs.tiled = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = LabelledLogProbs
 
 
 def compile_per_layer_by_default() -> str:

@@ -216,7 +216,7 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int,
     from arguments import parse_arguments
     from checks import Launch, Setup
     from distributed import trainer_class
-    from fast_paths import ATTENTION, LabelledLogProbs, score_labelled_positions_only
+    from fast_paths import ATTENTION, score_labelled_positions_only
     from utils import build_model, build_peft_config
 
     model_args, data_args, training_args, _ = parse_arguments(recipe_argv(model, data, 1, REPO / "outputs" / "bench"))
@@ -240,11 +240,9 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int,
         layer.compile(dynamic=True)
     compiled = [layer._compiled_call_impl for layer in layers]
 
-    direct, tiled = trl_utils._ChunkedLogProbFunction, LabelledLogProbs.tiled
-
-    def step(attention=ATTENTION, head=compact, scorer=direct, batch=packed, compile=False) -> float:
+    def step(attention=ATTENTION, head=compact, batch=packed, compile=False) -> float:
         base.set_attn_implementation(attention)
-        trl_utils._use_triton, trl_utils._ChunkedLogProbFunction = head, scorer
+        trl_utils._use_triton = head
         for layer, call in zip(layers, compiled):
             layer._compiled_call_impl = call if compile else None
         start = time.perf_counter()
@@ -256,10 +254,9 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int,
     variants = {
         "recipe (every shortcut)": {},
         "sdpa over the whole packed row": {"attention": "sdpa"},
-        "LM head at every position (TRL on CPU)": {"head": every_position, "scorer": tiled},
-        "LM head in TRL's vocabulary tiles": {"scorer": tiled},
+        "LM head at every position (TRL on CPU)": {"head": every_position},
         "padded batch, same examples": {"batch": padded},
-        "none of the shortcuts": {"attention": "sdpa", "head": every_position, "scorer": tiled},
+        "none of the shortcuts": {"attention": "sdpa", "head": every_position},
         "recipe + --torch_compile": {"compile": True},
     }
     for kwargs in variants.values():
@@ -270,7 +267,7 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int,
         peaks.append(matmul_peak_gflops(dtype, torch.get_num_threads()))
         for name, kwargs in variants.items():
             times[name].append(step(**kwargs))
-    trl_utils._use_triton, trl_utils._ChunkedLogProbFunction = compact, direct
+    trl_utils._use_triton = compact
     recipe = times["recipe (every shortcut)"]
     # each variant against the recipe's step of the same round: the machine's speed drifts between rounds
     return {name: {"seconds": statistics.median(values),

@@ -77,7 +77,6 @@ def test_lm_head_projects_only_the_labelled_positions(tiny_model_dir, smol_token
 
     # The shortcut rests on TRL using this name for the compaction decision only (the kernel choice has its own)
     assert inspect.getsource(trl_utils).count("_use_triton(") == 1
-    assert inspect.getsource(trl_utils).count("_ChunkedLogProbFunction.apply(") == 1
     score_labelled_positions_only()
     model = load(tiny_model_dir, register_attention())
     trainer = SFTTrainer(model=model, processing_class=smol_tokenizer, train_dataset=Dataset.from_list(examples),
@@ -95,44 +94,6 @@ def test_lm_head_projects_only_the_labelled_positions(tiny_model_dir, smol_token
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0, :-1]
     expected = torch.nn.functional.cross_entropy(logits.float(), batch["labels"][0, 1:], ignore_index=-100)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_cpu_lm_head_in_one_piece_gives_trls_outputs_and_gradients(autocast, monkeypatch):
-    import fast_paths
-    from trl.kernels import ChunkedLogProbFunction
-
-    torch.manual_seed(0)
-    vocab, hidden_size, rows = 300, 24, 17
-    weight = torch.randn(vocab, hidden_size) * 0.3
-    hidden = torch.randn(rows, hidden_size)
-    targets = torch.randint(0, vocab, (rows,))
-    outputs = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-    monkeypatch.setattr(fast_paths.LabelledLogProbs, "tiled", ChunkedLogProbFunction)
-
-    def run(function, softcap, scale, temperature):
-        leaf = hidden.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            result = function.apply(leaf, weight, None, targets, temperature, 128, softcap, scale, outputs)
-        (result[0].sum() + 0.1 * result[1].sum()).backward()  # the entropy is differentiable too
-        return [*result, leaf.grad]
-
-    for softcap, scale, temperature in ((None, 1.0, 1.0), (3.0, 0.5, 0.7)):
-        tiled = run(ChunkedLogProbFunction, softcap, scale, temperature)
-        direct = run(fast_paths.LabelledLogProbs, softcap, scale, temperature)
-        tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-4, "atol": 1e-5}
-        for name, a, b in zip(("log_probs", *outputs, "grad"), tiled, direct):
-            if name == "is_top1":
-                assert torch.equal(a, b)
-            else:
-                torch.testing.assert_close(b.float(), a.float(), **tolerance, msg=name)
-
-    calls = []
-    monkeypatch.setattr(fast_paths, "CPU_DIRECT_HEAD_UP_TO", rows * vocab - 1)  # too large now: TRL's function
-    spy = staticmethod(lambda *args: calls.append(args) or ChunkedLogProbFunction.apply(*args))
-    monkeypatch.setattr(fast_paths.LabelledLogProbs, "tiled", type("Spy", (), {"apply": spy}))
-    run(fast_paths.LabelledLogProbs, None, 1.0, 1.0)
-    assert len(calls) == 1
 
 
 def test_padding_free_data_is_truncated_by_the_recipe(smol_tokenizer, tmp_path):
