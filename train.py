@@ -31,7 +31,7 @@ from distributed import launch_environment, trainer_class
 from evaluate import evaluate_exact_match, heldout_examples
 from export import publish
 from fast_paths import compile_per_layer_by_default, score_labelled_positions_only
-from report import TRAINING_KEYS, write_run_report
+from report import TRAINING_KEYS, StepTimes, write_run_report
 from utils import DEFAULT_MODEL_DIR, attention_implementation, build_datasets, build_model, build_peft_config
 from utils import build_tokenizer, convert_default_model, drop_bad, load_raw_datasets, token_counts
 
@@ -214,6 +214,7 @@ def run(argv: list[str] | None = None):
 
     # The recipe publishes once, at the end, a folder it has built and checked (export.publish); not the Trainer.
     stop_on_signal = StopOnSignal()  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
+    step_times = StepTimes()
     publish_to = (training_args.hub_model_id or Path(training_args.output_dir).name) if training_args.push_to_hub else None
     training_args.push_to_hub = False
     arguments = {**asdict(model_args), **asdict(data_args),
@@ -228,7 +229,7 @@ def run(argv: list[str] | None = None):
         eval_dataset=datasets.get(eval_split) if eval_split else None,
         processing_class=tokenizer,
         peft_config=build_peft_config(model_args, added_token_ids),
-        callbacks=[stop_on_signal],
+        callbacks=[stop_on_signal, step_times],
     )
     if model_args.use_peft_lora and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
@@ -257,6 +258,7 @@ def run(argv: list[str] | None = None):
                    skipped_examples=data.skipped)
     summary["train_loss"] = result.training_loss
     summary["train_steps"] = result.global_step
+    summary["step_seconds"] = step_times.seconds
     if eval_split and training_args.eval_strategy == "no" and world_size == 1:
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
     if heldout is not None:
@@ -272,7 +274,10 @@ def run(argv: list[str] | None = None):
         write_run_report(training_args.output_dir, arguments, summary, trainer.state.log_history, hardware)
         if publish_to:
             log(f"published to {publish(Path(training_args.output_dir), publish_to, training_args.hub_private_repo)}")
-    log(f"done in {summary['seconds']:.0f} s: train loss {summary['train_loss']:.4f}"
+    steady = step_times.steady()
+    log(f"done in {summary['seconds']:.0f} s"
+        + (f" ({steady:.2f} s per step after the first, which took {step_times.seconds[0]:.1f} s)" if steady else "")
+        + f": train loss {summary['train_loss']:.4f}"
         + (f", eval loss {summary['eval_loss']:.4f}" if not math.isnan(summary.get("eval_loss", math.nan)) else "")
         + f"; adapter and tokenizer in {training_args.output_dir}")
     return trainer, summary

@@ -6,9 +6,11 @@
 The weights are random, initialised from the shape's config and saved once under outputs/bench/ (no download): speed
 and memory do not depend on their values. Each method runs in a fresh process; printed: trained tokens/s, seconds per
 step, peak memory (GPU allocated and reserved, or RSS on CPU), and MFU: model FLOPs per trained token
-(bench/benchmark.py's count, runner and matmul peak) times tokens/s over the bf16 peak, both the datasheet's (where
-this script knows the GPU) and the measured one. The 70B-class QLoRA memory figure comes from `memory.py` (planned, not run:
-a random 70B checkpoint does not fit the disk of the machines this was written for).
+(bench/benchmark.py's count, runner and matmul peak) times tokens/s after the first step (train.py's per-step wall
+times: the first carries CUDA's warm-up and any compiling) over the bf16 peak, both the datasheet's (where this script
+knows the GPU) and the measured one. `--methods lora,lora-compile` measures `--torch_compile`. The 70B-class QLoRA
+memory figure comes from `memory.py` (planned, not run: a random 70B checkpoint does not fit the disk of the machines
+this was written for).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ SHAPES = {
 }
 # Dense bf16 tensor-core peaks from the datasheets, TFLOP/s (SXM parts)
 DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
-METHODS = {"lora": [], "qlora": ["--use_4bit_quantization", "true"]}
+METHODS = {"lora": [], "qlora": ["--use_4bit_quantization", "true"], "lora-compile": ["--torch_compile", "true"]}
 
 def random_model(shape: str, work: Path) -> Path:
     """A checkpoint of the shape with random weights and SmolLM2's tokenizer (its ids fit any larger vocabulary)."""
@@ -60,6 +62,7 @@ def random_model(shape: str, work: Path) -> Path:
 
 def train(model_dir: Path, data: Path, work: Path, method: str, steps: int, batch: int, seq: int) -> dict:
     from benchmark import PEAK, recipe_argv, run
+    from report import read_summary
     from utils import is_flash_attn_installed
 
     # FlashAttention's varlen kernel where it is installed (CUDA); the recipe's sdpa_varlen otherwise
@@ -69,8 +72,14 @@ def train(model_dir: Path, data: Path, work: Path, method: str, steps: int, batc
             "--per_device_train_batch_size", str(batch), "--max_length", str(seq), *METHODS[method], *flash]
     result = run([sys.executable, "-c", PEAK, "train.py", *argv],
                  {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    # After the first step (CUDA warm-up, allocator growth, compiling): train.py's per-step wall times
+    summary = read_summary(work / f"gpu-{method}")
+    seconds = summary["results"]["step_seconds"]
+    tokens = [entry["num_tokens"] for entry in summary["log_history"] if "num_tokens" in entry]
+    steady = (tokens[-1] - tokens[0]) / sum(seconds[1:]) if len(seconds) >= 3 and len(tokens) == len(seconds) else None
     return {"attention": "flash_attention_2" if flash else "sdpa_varlen",
             "tokens_per_s": result["tokens"] / result["seconds"], "s_per_step": result["seconds"] / steps,
+            "steady_tokens_per_s": steady, "first_step_seconds": seconds[0],
             **{key: result[key] for key in ("tokens", "gpu_allocated_gib", "gpu_reserved_gib", "peak_rss_gib")}}
 
 
@@ -88,6 +97,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=2, help="packed rows per step")
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--methods", default="lora,qlora", help=f"comma list from {', '.join(METHODS)}")
     parser.add_argument("--out", default=str(REPO / "bench" / "gpu_benchmark.json"))
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench"), help="checkpoint and run folders")
     args = parser.parse_args()
@@ -103,9 +113,9 @@ def main() -> None:
     measured = matmul_peak_gflops(torch.bfloat16, os.cpu_count() or 1, device_type) / 1e3  # TFLOP/s
     per_token = flops_per_token(str(model_dir), 16, data_shape(data))
     results = {}
-    for method in METHODS:
+    for method in args.methods.split(","):
         results[method] = row = train(model_dir, data, work, method, args.steps, args.batch, args.seq)
-        achieved = per_token * row["tokens_per_s"] / 1e12
+        achieved = per_token * (row["steady_tokens_per_s"] or row["tokens_per_s"]) / 1e12
         row["mfu_datasheet"] = achieved / datasheet if datasheet else None
         row["mfu_measured_peak"] = achieved / measured
     print(f"\n{time.strftime('%Y-%m-%d')}, {device}; {args.shape} (random weights), LoRA r=16 all-linear, "
@@ -114,7 +124,9 @@ def main() -> None:
           f"bf16 peak: datasheet {datasheet or 'unknown'} TFLOP/s, measured {measured:.3g} TFLOP/s")
     for method, row in results.items():
         mfu = f"{row['mfu_datasheet']:.0%}" if row["mfu_datasheet"] is not None else "n/a"
-        print(f"{method:6s} {row['tokens_per_s']:9.0f} tokens/s {row['s_per_step']:6.2f} s/step  MFU {mfu} "
+        steady = f"{row['steady_tokens_per_s']:.0f}" if row["steady_tokens_per_s"] else "n/a"
+        print(f"{method:12s} {row['tokens_per_s']:9.0f} tokens/s ({steady} after the first step, which took "
+              f"{row['first_step_seconds']:.1f} s) {row['s_per_step']:6.2f} s/step  MFU {mfu} "
               f"(of measured peak {row['mfu_measured_peak']:.0%})  GPU {row['gpu_allocated_gib']:.1f} GiB allocated, "
               f"{row['gpu_reserved_gib']:.1f} reserved; RSS {row['peak_rss_gib']:.1f} GiB")
     planned = planned_70b_qlora_gib(args.seq)

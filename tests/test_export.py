@@ -38,6 +38,7 @@ def test_run_leaves_a_report_and_curves(trained):
     out, _ = trained
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["results"]["train_steps"] == 4 and "eval_loss" in summary["results"]
+    assert len(summary["results"]["step_seconds"]) == 4 and all(x > 0 for x in summary["results"]["step_seconds"])
     assert [e["step"] for e in summary["log_history"] if "loss" in e] == [1, 2, 3, 4]
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
