@@ -84,7 +84,10 @@ def compile_per_layer_by_default() -> str:
     """`--torch_compile`: unless the accelerate config says otherwise, compile each decoder layer (one graph serves
     them all, so it compiles in a fraction of the whole model's time) for any length (padding-free batches change
     length every step). Returns what will be compiled, for the log."""
+    from accelerate.utils import parse_flag_from_env
+
     os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
     os.environ.setdefault("ACCELERATE_DYNAMO_USE_DYNAMIC", "true")
-    regional = os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"].lower() in ("1", "true", "yes")
+    # read as accelerate's DynamoPlugin reads it
+    regional = parse_flag_from_env("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION")
     return "each decoder layer" if regional else "the whole model"

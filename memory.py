@@ -81,12 +81,17 @@ class Shapes:
     lora_per_rank: int  # LoRA parameters per unit of rank over those linear modules (r * (in + out) each)
     largest_layer: int  # parameters of one decoder layer (what FSDP gathers at a time)
     largest_linear: int  # the biggest linear weight (dequantized whole for each 4-bit matmul)
-    linear_inputs: int  # input width summed over one layer's linear modules (what each LoRA branch re-reads)
+    layer_linears: tuple[tuple[int, int], ...]  # (in, out) of each linear module of one decoder layer
     num_layers: int
     hidden: int
     intermediate: int
     kv_dim: int
     vocab: int
+
+    @property
+    def linear_inputs(self) -> int:
+        """Input width summed over one layer's linear modules (what each LoRA branch re-reads)."""
+        return sum(d_in for d_in, _ in self.layer_linears)
 
     @classmethod
     def of(cls, config) -> Shapes:
@@ -101,7 +106,8 @@ class Shapes:
             lora_per_rank=sum(m.in_features + m.out_features for m in linears),
             largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
             largest_linear=max(m.weight.numel() for m in linears),
-            linear_inputs=sum(m.in_features for m in layers[0].modules() if isinstance(m, torch.nn.Linear)),
+            layer_linears=tuple((m.in_features, m.out_features) for m in layers[0].modules()
+                                if isinstance(m, torch.nn.Linear)),
             num_layers=len(layers),
             hidden=config.hidden_size,
             intermediate=config.intermediate_size,

@@ -7,10 +7,7 @@ held-out metrics, the log history).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
-
-from transformers import TrainerCallback
 
 SUMMARY_FILE = "run_summary.json"
 PLOT_FILE = "training_curves.png"
@@ -103,29 +100,6 @@ tokenizer = AutoTokenizer.from_pretrained("<this repo>")
 TRAINING_KEYS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm", "optim",
                  "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
                  "max_length", "packing", "padding_free", "bf16", "fp16", "activation_checkpointing", "seed")
-
-
-class StepTimes(TrainerCallback):
-    """Wall seconds from one optimizer step's end to the next (the first from the start of training, so it carries the
-    warm-up and any compiling): what a step really costs, logging and data included."""
-
-    def __init__(self):
-        self.seconds: list[float] = []
-        self._last = 0.0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._last = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        now = time.perf_counter()
-        self.seconds.append(round(now - self._last, 4))
-        self._last = now
-
-    def steady(self) -> float | None:
-        """Median seconds per step after the first, or None with fewer than three steps."""
-        import statistics
-
-        return statistics.median(self.seconds[1:]) if len(self.seconds) >= 3 else None
 
 
 def write_run_report(out_dir: Path, arguments: dict, results: dict, log_history: list[dict], hardware: str) -> dict:

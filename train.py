@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import set_seed
+from transformers import TrainerCallback, set_seed
 
 from arguments import ConfigError, parse_arguments
 from checkpoints import StopOnSignal, latest_complete
@@ -31,9 +32,30 @@ from distributed import launch_environment, trainer_class
 from evaluate import evaluate_exact_match, heldout_examples
 from export import publish
 from fast_paths import compile_per_layer_by_default, score_labelled_positions_only
-from report import TRAINING_KEYS, StepTimes, write_run_report
+from report import TRAINING_KEYS, write_run_report
 from utils import DEFAULT_MODEL_DIR, attention_implementation, build_datasets, build_model, build_peft_config
 from utils import build_tokenizer, convert_default_model, drop_bad, load_raw_datasets, token_counts
+
+
+class StepTimes(TrainerCallback):
+    """Wall seconds from one optimizer step's end to the next (the first from the start of training, so it carries the
+    warm-up and any compiling): what a step really costs, logging and data included."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+        self._last = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        self.seconds.append(round(now - self._last, 4))
+        self._last = now
+
+    def steady(self) -> float | None:
+        """Median seconds per step after the first, or None with fewer than three steps."""
+        return statistics.median(self.seconds[1:]) if len(self.seconds) >= 3 else None
 
 
 def log(message: str) -> None:

@@ -61,19 +61,17 @@ def step_matmuls(model_dir: str, lora_r: int, tokens: int, supervised: int) -> l
     """One LoRA training step's matmuls as ((m, k, n), weight_transposed, count): each decoder linear's forward (x @
     W^T) and input gradient (g @ W), its LoRA branch's forward, input and weight gradients, and the LM head's forward
     and input gradient at the supervised positions."""
-    from memory import load_config, meta_model
+    from memory import Shapes, load_config
 
-    model = meta_model(load_config(model_dir))
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    products = []
-    for linear in (m for m in layers[0].modules() if isinstance(m, torch.nn.Linear)):
-        d_in, d_out, r = linear.in_features, linear.out_features, lora_r
+    shapes = Shapes.of(load_config(model_dir))
+    products, r = [], lora_r
+    for d_in, d_out in shapes.layer_linears:
         products += [((tokens, d_in, d_out), True), ((tokens, d_out, d_in), False),  # frozen weight
                      ((tokens, d_in, r), True), ((tokens, r, d_out), True),  # LoRA forward
                      ((tokens, d_out, r), False), ((tokens, r, d_in), False),  # LoRA input gradients
                      ((d_out, tokens, r), False), ((r, tokens, d_in), False)]  # LoRA weight gradients
-    counted = [(shape, transposed, len(layers)) for shape, transposed in products]
-    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    counted = [(shape, transposed, shapes.num_layers) for shape, transposed in products]
+    hidden, vocab = shapes.hidden, shapes.vocab
     return counted + [((supervised, hidden, vocab), True, 1), ((supervised, vocab, hidden), False, 1)]
 
 
