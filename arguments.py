@@ -1,9 +1,9 @@
 """The recipe's arguments: its own model and data knobs plus every TRL `SFTConfig` / `TrainingArguments` flag.
 
 Arguments come from an optional `.yaml`/`.json` file (first argument) and command-line flags; flags override the
-file. An unknown key is an error in both. Where neither sets a knob, the recipe's own default applies
-(`recipe_defaults`), which differs from TRL's where TRL's would waste the hardware (bf16 emulated on a CPU,
-gradient checkpointing on a model that fits) or surprise the user (a public Hub repo).
+file. An unknown key is an error in both. Parsing only records what the user asked for (a `Request`);
+`configuration.settle` then applies the recipe's defaults (`RECIPE_DEFAULTS`, and those that depend on the machine)
+and makes the one configuration that runs.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 from transformers import HfArgumentParser
 from trl import SFTConfig
 
-from utils import DEFAULT_MODEL_DIR, native_bf16_supported
+from utils import DEFAULT_MODEL_DIR
 
 CHAT_TEMPLATE_FORMATS = ("none", "chatml", "zephyr")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -162,31 +161,38 @@ class DataArguments:
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, SFTConfig)
 
 
-def recipe_defaults() -> dict[str, Any]:
-    """Where this recipe departs from TRL's defaults, and why."""
-    return {
-        "output_dir": "outputs/smollm2-dates-lora",
-        "use_cpu": not torch.cuda.is_available(),  # transformers refuses bf16 on a GPU-less host unless told so
-        "bf16": native_bf16_supported(),  # TRL turns bf16 on everywhere; a CPU without it emulates bf16 very slowly
-        # TRL turns it on; the recipe only where the memory plan does not fit without it (train.py), or when asked
-        "activation_checkpointing": False,
-        "learning_rate": 1e-3,  # LoRA on a small model; TRL's 2e-5 suits full fine-tuning
-        "lr_scheduler_type": "cosine",
-        "warmup_steps": 0.1,  # a float below 1 is a ratio of the total steps
-        "num_train_epochs": 1,
-        "max_steps": 48,
-        "per_device_train_batch_size": 8,
-        "per_device_eval_batch_size": 16,
-        "logging_steps": 4,
-        "eval_strategy": "no",
-        "save_strategy": "no",
-        "max_length": 512,
-        # One row per batch, no padding; attention stays within each example (fast_paths.py, or flash-attn's varlen)
-        "padding_free": True,
-        "report_to": "none",
-        "hub_private_repo": True,  # publishing is opt-in (--push_to_hub) and private unless said otherwise
-        "seed": 42,
-    }
+# Where the recipe departs from TRL's defaults, and why. Defaults that depend on the machine (bf16, use_cpu, activation
+# checkpointing) are decided by configuration.settle, which says why in the run's first lines.
+RECIPE_DEFAULTS: dict[str, Any] = {
+    "output_dir": "outputs/smollm2-dates-lora",
+    "learning_rate": 1e-3,  # LoRA on a small model; TRL's 2e-5 suits full fine-tuning
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 0.1,  # a float below 1 is a ratio of the total steps
+    "num_train_epochs": 1,
+    "max_steps": 48,
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 16,
+    "logging_steps": 4,
+    "eval_strategy": "no",
+    "save_strategy": "no",
+    "max_length": 512,
+    "report_to": "none",
+    "hub_private_repo": True,  # publishing is opt-in (--push_to_hub) and private unless said otherwise
+    "seed": 42,
+}
+
+
+@dataclass
+class Request:
+    """What the user asked for, before any default: the recipe's own arguments, the training values set by the file
+    or the flags, and the mode of this invocation."""
+
+    model: ModelArguments
+    data: DataArguments
+    training: dict[str, Any]  # SFTConfig keys the user set, with their values
+    check: bool = False  # --check: check the configuration and stop, before any data or weights are read
+    accelerate_config: str | None = None  # --accelerate_config FILE: check the launch this config would give
+    gpu_gib: float | None = None  # --gpu_gib N: the memory of each GPU of that launch
 
 
 class _FlagParser(HfArgumentParser):
@@ -230,38 +236,42 @@ def read_config_file(path: str) -> dict[str, Any]:
     return values
 
 
-def parse_arguments(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, SFTConfig, set[str]]:
-    """Returns the three argument objects and the set of keys the user set explicitly (file or flags)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def take_mode_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """`--check` (check and exit), and for it `--accelerate_config FILE` (the launch to assume) and `--gpu_gib N` (the
+    memory of its GPUs), are modes of this script, not training arguments: take them out before parsing (they may
+    come before the config file)."""
+    argv, mode = list(argv), {"check": "--check" in argv}
+    if mode["check"]:
+        argv.remove("--check")
+    for flag, example in (("--accelerate_config", "configs/fsdp2_config.yaml"), ("--gpu_gib", "80")):
+        if flag in argv:
+            at = argv.index(flag)
+            if at + 1 >= len(argv):
+                raise ConfigError(f"{flag} needs a value: {flag} {example}")
+            mode[flag[2:]] = argv[at + 1]
+            del argv[at : at + 2]
+    if "gpu_gib" in mode:
+        try:
+            mode["gpu_gib"] = float(mode["gpu_gib"])
+        except ValueError:
+            raise ConfigError(f"--gpu_gib {mode['gpu_gib']}: not a number of GiB, e.g. --gpu_gib 80") from None
+    return argv, mode
+
+
+def parse_arguments(argv: list[str]) -> Request:
+    """The user's request from a config file (first) and flags; the recipe's own arguments are checked here."""
+    argv, mode = take_mode_flags(argv)
     file_values: dict[str, Any] = {}
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         file_values = read_config_file(argv.pop(0))
 
-    parser = _flag_parser()
-    namespace, unknown = parser.parse_known_args(argv)
+    namespace, unknown = _flag_parser().parse_known_args(argv)
     if unknown:
         raise ConfigError(f"unknown arguments: {' '.join(unknown)}; `python train.py --help` lists the flags.")
-    flag_values = vars(namespace)
-
-    explicit = set(file_values) | set(flag_values)
-    merged = {**recipe_defaults(), **file_values, **flag_values}
-    # `gradient_checkpointing` is the old name of `activation_checkpointing`: a user who sets either decides.
-    if "gradient_checkpointing" in explicit and "activation_checkpointing" not in explicit:
-        merged.pop("activation_checkpointing")
-    if merged.get("bf16") and "fp16" in explicit and "bf16" not in explicit:
-        merged["bf16"] = False  # asking for fp16 replaces the bf16 default
-    if merged.get("packing_strategy") == "wrapped" and "padding_free" not in explicit:
-        merged["padding_free"] = False  # wrapped rows cut examples anyway; TRL advises against padding-free there
-
-    objects = []
-    for cls in ARGUMENT_CLASSES:
+    given = {**file_values, **vars(namespace)}
+    recipe = []
+    for cls in (ModelArguments, DataArguments):
         names = {f.name for f in fields(cls) if f.init}
-        kwargs = {k: v for k, v in merged.items() if k in names}
-        try:
-            objects.append(cls(**kwargs))
-        except ConfigError:
-            raise
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"invalid training arguments: {err}") from None
-    model_args, data_args, training_args = objects
-    return model_args, data_args, training_args, explicit
+        recipe.append(cls(**{key: value for key, value in given.items() if key in names}))
+    training = {key: value for key, value in given.items() if key in {f.name for f in fields(SFTConfig) if f.init}}
+    return Request(*recipe, training, **mode)

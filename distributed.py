@@ -72,9 +72,9 @@ class Launch:
     def mixed_precision(self) -> str:
         return self.env.get("ACCELERATE_MIXED_PRECISION", "no")
 
-
-def needs_cpu_fsdp() -> bool:
-    return Launch.current().fsdp and not torch.cuda.is_available()
+    @property
+    def local_rank(self) -> int:
+        return int(self.env.get("LOCAL_RANK", 0))
 
 
 class CpuFsdpSFTTrainer(SFTTrainer):
@@ -101,10 +101,11 @@ class CpuFsdpSFTTrainer(SFTTrainer):
         self.is_fsdp_enabled = True
 
 
-def trainer_class() -> type[SFTTrainer]:
+def trainer_class(cpu_fsdp: bool) -> type[SFTTrainer]:
+    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py), kept on FSDP on a CPU host if asked."""
     from checkpoints import CompleteCheckpointsMixin
 
-    base = CpuFsdpSFTTrainer if needs_cpu_fsdp() else SFTTrainer
+    base = CpuFsdpSFTTrainer if cpu_fsdp else SFTTrainer
     return type(f"Recipe{base.__name__}", (CompleteCheckpointsMixin, base), {})
 
 

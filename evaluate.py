@@ -71,7 +71,7 @@ def generate_answers(model, tokenizer, prompts: list, max_new_tokens: int = 32, 
 @torch.no_grad()
 def heldout_loss(model, tokenizer, dataset, num_examples: int, text_field: str = "text") -> float:
     """Mean loss per supervised token (the assistant turns / completions) over held-out examples."""
-    from utils import IGNORE_INDEX, detect_format, tokenize_example
+    from training_data import IGNORE_INDEX, detect_format, tokenize_example
 
     data_format = detect_format(dataset.column_names, text_field)
     total, count = 0.0, 0
@@ -99,7 +99,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from arguments import DEFAULT_DATASET
-    from utils import DEFAULT_MODEL_DIR, convert_default_model, load_raw_datasets
+    from training_data import load_splits
+    from utils import DEFAULT_MODEL_DIR, convert_default_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", default=DEFAULT_MODEL_DIR)
@@ -113,7 +114,7 @@ def main() -> None:
 
     if args.model_name_or_path == DEFAULT_MODEL_DIR:
         convert_default_model()
-    raw, _, _ = load_raw_datasets(argparse.Namespace(dataset_name=args.dataset_name, split_names=[args.split]))
+    raw, _, _ = load_splits(args.dataset_name, [args.split])
     heldout = heldout_examples(raw[args.split], args.num_prompts)
     if heldout is None:
         raise SystemExit(f"error: the {args.split} split is plain text; exact match needs chat or prompt/completion data.")

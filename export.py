@@ -84,7 +84,7 @@ def merge(adapter: Path, output: Path, dtype: str = "bfloat16", base: str | None
     return output
 
 
-def stage_for_hub(run_dir: Path, stage: Path) -> Path:
+def stage_for_hub(run_dir: Path, stage: Path, token: str | None = None) -> Path:
     """The folder that will be uploaded: adapter, tokenizer, model card, plot. Checked here, before any network call."""
     missing = [name for name in (*ADAPTER_FILES, "tokenizer_config.json") if not (run_dir / name).is_file()]
     if missing:
@@ -94,7 +94,7 @@ def stage_for_hub(run_dir: Path, stage: Path) -> Path:
     summary = read_summary(run_dir)
     summary["plot"] = (stage / PLOT_FILE).is_file()
     (stage / "README.md").write_text(model_card(summary))
-    token = os.environ.get("HF_TOKEN") or _saved_token()
+    token = token or os.environ.get("HF_TOKEN") or _saved_token()
     if token:
         for file in stage.iterdir():  # a token must never travel with the files
             if token.encode() in file.read_bytes():
@@ -111,12 +111,13 @@ def _saved_token() -> str | None:
         return None
 
 
-def publish(run_dir: Path, repo_id: str, private: bool = True) -> str:
+def publish(run_dir: Path, repo_id: str, private: bool = True, token: str | None = None) -> str:
+    """Upload the staged folder; `token` (train.py's --hub_token) or the environment's / the saved login."""
     from huggingface_hub import HfApi
 
     with tempfile.TemporaryDirectory() as tmp:
-        stage = stage_for_hub(run_dir, Path(tmp) / "stage")
-        api = HfApi()
+        stage = stage_for_hub(run_dir, Path(tmp) / "stage", token)
+        api = HfApi(token=token)
         url = api.create_repo(repo_id, private=private, exist_ok=True)
         api.upload_folder(repo_id=repo_id, folder_path=str(stage), commit_message="Upload adapter from sft recipe")
     return str(url)

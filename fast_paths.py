@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from contextlib import nullcontext
 
 import torch
@@ -80,14 +80,14 @@ def score_labelled_positions_only() -> None:
     trl_utils._use_triton = compact
 
 
-def compile_per_layer_by_default() -> str:
-    """`--torch_compile`: unless the accelerate config says otherwise, compile each decoder layer (one graph serves
-    them all, so it compiles in a fraction of the whole model's time) for any length (padding-free batches change
-    length every step). Returns what will be compiled, for the log."""
-    from accelerate.utils import parse_flag_from_env
+def compile_settings(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """`--torch_compile`: unless the launch environment `env` says otherwise, compile each decoder layer (one graph
+    serves them all, so it compiles in a fraction of the whole model's time) for any length (padding-free batches
+    change length every step). Returns the ACCELERATE_DYNAMO_* variables to export before the Trainer builds its
+    Accelerator (whose dynamo plugin reads them), and what will be compiled, for the log."""
+    from accelerate.utils.environment import str_to_bool
 
-    os.environ.setdefault("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "true")
-    os.environ.setdefault("ACCELERATE_DYNAMO_USE_DYNAMIC", "true")
-    # read as accelerate's DynamoPlugin reads it
-    regional = parse_flag_from_env("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION")
-    return "each decoder layer" if regional else "the whole model"
+    exports = {f"ACCELERATE_DYNAMO_{name}": "true" for name in ("USE_REGIONAL_COMPILATION", "USE_DYNAMIC")
+               if f"ACCELERATE_DYNAMO_{name}" not in env}
+    regional = {**env, **exports}["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"]
+    return exports, "each decoder layer" if str_to_bool(regional) == 1 else "the whole model"

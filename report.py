@@ -102,13 +102,14 @@ TRAINING_KEYS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_d
                  "max_length", "packing", "padding_free", "bf16", "fp16", "activation_checkpointing", "seed")
 
 
-def write_run_report(out_dir: Path, arguments: dict, results: dict, log_history: list[dict], hardware: str) -> dict:
-    """run_summary.json and training_curves.png in the output folder."""
+def write_run_report(out_dir: Path, arguments: dict, results: dict, log_history: list[dict], hardware: str,
+                     decisions: list[dict]) -> dict:
+    """run_summary.json (with what configuration.settle decided, and why) and training_curves.png in the output folder."""
     import datetime
 
     plot = plot_history(log_history, Path(out_dir) / PLOT_FILE)
     summary = {"date": datetime.date.today().isoformat(), "hardware": hardware, "arguments": arguments,
-               "results": results, "plot": plot.is_file(), "log_history": log_history}
+               "decisions": decisions, "results": results, "plot": plot.is_file(), "log_history": log_history}
     (Path(out_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
     return summary
 

@@ -38,10 +38,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def matmul_peak_gflops(dtype: torch.dtype, threads: int, device: str = "cpu") -> float:
-    """Best of a few large matmuls in `dtype` on `device`: the ceiling a training step's matmuls can reach."""
+def matmul_peak_gflops(dtype: torch.dtype, threads: int, device: str = "cpu", scale: float = 1.0) -> float:
+    """Best of a few large matmuls in `dtype` on `device`: the ceiling a training step's matmuls can reach. `scale`
+    shrinks the matrices (a quick run of the code path, not a measurement)."""
     torch.set_num_threads(threads)
-    rows, inner = (8192, 8192) if device == "cuda" else (1024, 1536)
+    rows, inner = (int(n * scale) for n in ((8192, 8192) if device == "cuda" else (1024, 1536)))
     a = torch.randn(rows, inner, dtype=dtype, device=device)
     b = torch.randn(inner, inner, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None
@@ -95,13 +96,12 @@ def matmul_seconds(products: list[tuple[tuple, bool, int]], dtype: torch.dtype, 
 
 def data_shape(data_dir: Path) -> dict:
     """Supervised fraction and token-weighted mean example length of the train split, as the recipe tokenizes it."""
-    from arguments import parse_arguments
-    from utils import build_datasets, build_tokenizer, load_raw_datasets
+    from configuration import configure
+    from training_data import prepare
 
-    model_args, data_args, training_args, _ = parse_arguments(["--dataset_name", str(data_dir), "--splits", "train"])
-    tokenizer, _ = build_tokenizer(model_args)
-    raw, _, data_format = load_raw_datasets(data_args, training_args.dataset_text_field)
-    labels = build_datasets(raw, data_format, tokenizer, data_args, training_args)[0]["train"]["labels"]
+    config = configure(["--dataset_name", str(data_dir), "--splits", "train"])
+    labels = prepare(str(data_dir), ["train"], config.facts.tokenizer, max_length=config.max_length,
+                     truncate=True).datasets["train"]["labels"]
     lengths = [len(x) for x in labels]
     return {"supervised_fraction": sum(sum(t != -100 for t in x) for x in labels) / sum(lengths),
             "mean_context": sum(n * n for n in lengths) / sum(lengths)}
@@ -211,24 +211,17 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int,
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     import train
-    from arguments import parse_arguments
-    from checks import Launch, Setup
-    from distributed import trainer_class
-    from fast_paths import ATTENTION, score_labelled_positions_only
-    from utils import build_model, build_peft_config
+    from configuration import configure
+    from fast_paths import ATTENTION
 
-    model_args, data_args, training_args, _ = parse_arguments(recipe_argv(model, data, 1, REPO / "outputs" / "bench"))
-    prepared = train.prepare_data(Setup(model_args, data_args, training_args, Launch.current(), here=True, cuda=False,
-                                        model_config=None))
-    score_labelled_positions_only()
-    trainer = trainer_class()(model=build_model(model_args, training_args, prepared.tokenizer, []),
-                              args=training_args, train_dataset=prepared.datasets["train"],
-                              processing_class=prepared.tokenizer, peft_config=build_peft_config(model_args, []))
+    config = configure(recipe_argv(model, data, 1, REPO / "outputs" / "bench"))
+    tokenizer = config.facts.tokenizer
+    trainer, _ = train.build_trainer(config, train.build_base_model(config), train.load_data(config))
     wrapped = trainer.accelerator.prepare(trainer.model)  # the Trainer's own wrapping: autocast in bf16
     base = trainer.model.get_base_model()
     packed = next(iter(trainer.get_train_dataloader()))
     bounds = packed["cu_seq_lens_q"].tolist()
-    padded = DataCollatorForLanguageModeling(pad_token_id=prepared.tokenizer.pad_token_id)([
+    padded = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)([
         {"input_ids": packed["input_ids"][0, a:b].tolist(), "labels": packed["labels"][0, a:b].tolist()}
         for a, b in zip(bounds, bounds[1:])])
     compact, every_position = trl_utils._use_triton, kernels._use_triton
@@ -260,7 +253,7 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int,
     for kwargs in variants.values():
         step(**kwargs)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in variants}
-    peaks, dtype = [], torch.bfloat16 if training_args.bf16 else torch.float32
+    peaks, dtype = [], torch.bfloat16 if config.training.bf16 else torch.float32
     for _ in range(repeats):
         peaks.append(matmul_peak_gflops(dtype, torch.get_num_threads()))
         for name, kwargs in variants.items():

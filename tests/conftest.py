@@ -1,4 +1,10 @@
-"""Shared fixtures: the real SmolLM2 tokenizer (converted once from the packaged GGUF) and a tiny random Llama."""
+"""Shared fixtures and helpers: the real SmolLM2 tokenizer (converted once from the packaged GGUF), a tiny random Llama,
+a small copy of the demo data, and the few steps every training test repeats (its arguments, the configuration and
+base model train.py would build, the logits of a probe prompt).
+
+Tiers (markers, see pytest.ini): unmarked tests are the unit tier (`make test-fast`, under a minute); `e2e` tests train
+or start the recipe's commands; `multiprocess` tests launch 2 processes over gloo.
+"""
 
 import os
 import sys
@@ -10,6 +16,43 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+PROBE = "Convert this date to ISO format (YYYY-MM-DD): May 1, 2000"
+
+
+def tiny_run_args(model_dir, data_dir, out, *extra) -> list[str]:
+    """A short, deterministic fp32 run of train.py without held-out generation; `extra` flags override these."""
+    return ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out),
+            "--max_steps", "6", "--per_device_train_batch_size", "8", "--learning_rate", "3e-2", "--logging_steps", "1",
+            "--bf16", "false", "--eval_num_prompts", "0", "--disable_tqdm", "true", "--warmup_steps", "0", *extra]
+
+
+def settled(argv=(), **facts):
+    """The configuration settle() makes of `argv` with the given facts (default: one CPU process, no native bf16,
+    nothing read from disk), so a unit test's verdict never depends on the machine it runs on."""
+    from arguments import parse_arguments
+    from configuration import Facts, settle
+
+    return settle(parse_arguments(list(argv)), Facts(**facts))
+
+
+def base_model(argv):
+    """The base model exactly as train.py builds it for `argv`, before any training."""
+    import train
+    from configuration import configure
+
+    return train.build_base_model(configure(list(argv))).eval()
+
+
+def probe_logits(model, tokenizer):
+    import torch
+
+    with torch.no_grad():
+        return model.eval()(**tokenizer([PROBE], return_tensors="pt")).logits.float()
+
+
+def losses(log_history) -> list[float]:
+    return [entry["loss"] for entry in log_history if "loss" in entry]
 
 
 @pytest.fixture(scope="session")
@@ -57,16 +100,12 @@ def chat_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def recipe_examples(smol_tokenizer):
     """The first n train examples of a data folder, tokenized as the recipe tokenizes them (input_ids, labels)."""
-    import argparse
-
-    from utils import build_datasets, drop_bad, load_raw_datasets
+    from training_data import drop_bad, load_splits, tokenize_splits
 
     def tokenize(source: Path, n: int) -> list[dict]:
-        raw, _, data_format = load_raw_datasets(argparse.Namespace(dataset_name=str(source), split_names=["train"]))
+        raw, _, data_format = load_splits(str(source), ["train"])
         raw["train"] = raw["train"].select(range(n))
-        tokenized, _ = build_datasets(raw, data_format, smol_tokenizer,
-                                      argparse.Namespace(add_special_tokens=False, append_concat_token=True),
-                                      argparse.Namespace(dataset_text_field="text", max_length=512))
+        tokenized, _ = tokenize_splits(raw, data_format, smol_tokenizer, max_length=512, truncate=True)
         return list(drop_bad(tokenized, [])["train"])
 
     return tokenize

@@ -14,8 +14,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import train  # noqa: E402
-
-PROBE = "Convert this date to ISO format (YYYY-MM-DD): May 1, 2000"
+from conftest import PROBE  # noqa: E402
 
 
 def main() -> None:

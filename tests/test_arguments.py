@@ -1,10 +1,11 @@
-"""Argument parsing: the reference recipe's flags, config files, recipe defaults, and refusals."""
+"""Argument parsing: the reference recipe's flags, config files, mode flags, and refusals."""
 
 import json
 
 import pytest
+from conftest import settled
 
-from arguments import ConfigError, parse_arguments, recipe_defaults
+from arguments import ConfigError, parse_arguments
 
 REFERENCE_FLAGS = [
     "--model_name_or_path", "some/model", "--chat_template_format", "chatml", "--lora_r", "8", "--lora_alpha", "16",
@@ -18,7 +19,8 @@ REFERENCE_FLAGS = [
 
 
 def test_reference_recipe_flags_parse_into_their_fields():
-    model_args, data_args, training_args, explicit = parse_arguments(REFERENCE_FLAGS)
+    config = settled(REFERENCE_FLAGS)
+    model_args, data_args, training_args = config.model, config.data, config.training
     assert model_args.model_name_or_path == "some/model"
     assert model_args.chat_template_format == "chatml"
     assert (model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout) == (8, 16, 0.1)
@@ -29,37 +31,35 @@ def test_reference_recipe_flags_parse_into_their_fields():
     assert data_args.dataset_name == "some/data" and data_args.eval_split == "validation"
     assert not data_args.add_special_tokens and not data_args.append_concat_token
     assert training_args.dataset_text_field == "content" and training_args.packing
-    assert training_args.max_length == 2048 and not training_args.bf16 and training_args.output_dir == "out"
-    assert {"lora_r", "packing", "bf16"} <= explicit
+    assert config.max_length == training_args.max_length == 2048  # packing: TRL cuts its own rows to this length
+    assert not training_args.bf16 and training_args.output_dir == "out"
+    assert {"packing", "bf16", "max_length"} <= set(parse_arguments(REFERENCE_FLAGS).training)
 
 
 def test_all_linear_is_passed_through():
-    model_args, *_ = parse_arguments(["--lora_target_modules", "all-linear"])
-    assert model_args.lora_targets == "all-linear"
+    assert parse_arguments(["--lora_target_modules", "all-linear"]).model.lora_targets == "all-linear"
 
 
-def test_recipe_defaults_apply_where_nothing_is_set():
-    _, _, training_args, explicit = parse_arguments([])
-    defaults = recipe_defaults()
-    assert explicit == set()
-    assert training_args.learning_rate == defaults["learning_rate"]
-    assert training_args.activation_checkpointing is False  # TRL's default is True
-    assert training_args.bf16 == defaults["bf16"]
-    assert training_args.hub_private_repo is True
-    assert training_args.padding_free  # attention within each example (fast_paths.py)
+def test_parsing_records_only_what_was_given():
+    request = parse_arguments(["--learning_rate", "0.1", "--lora_r", "4"])
+    assert request.training == {"learning_rate": 0.1}  # no default is applied here: settle() does that
+    assert request.model.lora_r == 4 and not request.check
 
 
-def test_wrapped_packing_turns_the_padding_free_default_off_but_not_an_explicit_choice():
-    wrapped = ["--packing", "true", "--packing_strategy", "wrapped"]
-    assert not parse_arguments(wrapped)[2].padding_free
-    assert parse_arguments([*wrapped, "--padding_free", "true"])[2].padding_free
-    assert parse_arguments(["--packing", "true"])[2].padding_free  # bfd packing is padding-free anyway
+def test_mode_flags_are_taken_out_wherever_they_stand(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lora_r: 4\n")
+    request = parse_arguments(["--check", "--accelerate_config", "configs/fsdp2_config.yaml", str(path), "--gpu_gib",
+                               "24"])
+    assert request.check and request.accelerate_config == "configs/fsdp2_config.yaml" and request.gpu_gib == 24
+    assert request.model.lora_r == 4
+    with pytest.raises(ConfigError, match="not a number of GiB"):
+        parse_arguments(["--check", "--gpu_gib", "lots"])
 
 
 def test_every_sft_config_flag_is_accepted():
-    _, _, training_args, _ = parse_arguments(["--num_train_epochs", "3", "--weight_decay", "0.01",
-                                              "--packing_strategy", "wrapped", "--eval_strategy", "steps",
-                                              "--eval_steps", "5", "--lr_scheduler_type", "linear"])
+    training_args = settled(["--num_train_epochs", "3", "--weight_decay", "0.01", "--packing_strategy", "wrapped",
+                             "--eval_strategy", "steps", "--eval_steps", "5", "--lr_scheduler_type", "linear"]).training
     assert training_args.num_train_epochs == 3 and training_args.weight_decay == 0.01
     assert training_args.packing_strategy == "wrapped" and training_args.eval_steps == 5
 
@@ -69,10 +69,9 @@ def test_config_file_then_flags_override(tmp_path, suffix):
     values = {"lora_r": 4, "learning_rate": 0.0005, "splits": "train", "packing": True}
     path = tmp_path / f"run{suffix}"
     path.write_text(json.dumps(values) if suffix == ".json" else "\n".join(f"{k}: {v}" for k, v in values.items()))
-    model_args, data_args, training_args, explicit = parse_arguments([str(path), "--lora_r", "32"])
-    assert model_args.lora_r == 32  # the flag wins
-    assert training_args.learning_rate == 0.0005 and training_args.packing and data_args.splits == "train"
-    assert set(values) <= explicit
+    request = parse_arguments([str(path), "--lora_r", "32"])
+    assert request.model.lora_r == 32  # the flag wins
+    assert request.training == {"learning_rate": 0.0005, "packing": True} and request.data.splits == "train"
 
 
 def test_unknown_key_in_file_is_refused_with_a_suggestion(tmp_path):
@@ -98,10 +97,11 @@ def test_missing_config_file_is_refused(tmp_path):
     (["--splits", "test"], "no train split"),
     (["--splits", "train,dev"], "train, test, validation"),
     (["--lora_r", "0"], "must be positive"),
+    (["--warmup_steps", "-1"], "invalid training arguments"),
 ])
 def test_bad_combinations_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
-        parse_arguments(argv)
+        settled(argv)
 
 
 def test_unknown_template_name_is_refused_from_a_file_too(tmp_path):

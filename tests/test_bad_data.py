@@ -1,13 +1,12 @@
 """Bad data: each kind of malformed example is named by file and line; stop by default, or skip and count."""
 
-import argparse
 import json
 import random
 
 import pytest
+from conftest import tiny_run_args
 
-from data_validation import DataError
-from utils import build_datasets, load_raw_datasets
+from training_data import BadExample, DataError, load_splits, tokenize_splits
 
 GOOD = {"messages": [{"role": "user", "content": "Convert 1 May 2000"}, {"role": "assistant", "content": "2000-05-01"}]}
 BAD_LINES = {
@@ -28,13 +27,10 @@ def write(path, lines):
     path.write_bytes(b"\n".join(line if isinstance(line, bytes) else line.encode() for line in lines) + b"\n")
 
 
-def load(path, policy="stop", max_length=512, tokenizer=None):
-    data_args = argparse.Namespace(dataset_name=str(path), split_names=["train"], add_special_tokens=False,
-                                   append_concat_token=True, bad_examples=policy)
-    raw, bad, data_format = load_raw_datasets(data_args)
+def load(path, max_length=512, tokenizer=None):
+    raw, bad, data_format = load_splits(str(path), ["train"])
     if tokenizer is not None:
-        _, cut = build_datasets(raw, data_format, tokenizer, data_args,
-                                argparse.Namespace(dataset_text_field="text", max_length=max_length))
+        _, cut = tokenize_splits(raw, data_format, tokenizer, max_length=max_length, truncate=True)
         bad += cut
     return raw, bad
 
@@ -62,14 +58,14 @@ def test_answer_cut_by_max_length(tmp_path, smol_tokenizer):
     assert len(bad) == 1 and bad[0].origin == "train.jsonl:2" and "longer than --max_length 128" in bad[0].reason
 
 
+@pytest.mark.e2e
 def test_stop_lists_everything_then_skip_trains_without_and_counts(tmp_path, tiny_model_dir, capsys):
     import train
 
     lines = [json.dumps(GOOD)] * 20 + [BAD_LINES["unknown role"][0], BAD_LINES["malformed JSON"][0]]
     write(tmp_path / "train.jsonl", lines)
-    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(tmp_path / "train.jsonl"),
-            "--splits", "train", "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--bf16", "false",
-            "--disable_tqdm", "true"]
+    argv = tiny_run_args(tiny_model_dir, tmp_path / "train.jsonl", tmp_path / "out", "--splits", "train",
+                         "--max_steps", "1")
     with pytest.raises(SystemExit):
         train.run(argv)
     err = capsys.readouterr().err
@@ -122,8 +118,6 @@ def test_fuzz_random_corruptions_never_crash_without_a_clear_message(tmp_path, s
 
 
 def test_stop_error_message_lists_and_points_to_skip():
-    from data_validation import BadExample
-
     message = str(DataError([BadExample("a.jsonl:3", "not valid JSON")], 10))
     assert "1 of 10 examples are malformed" in message and "a.jsonl:3: not valid JSON" in message
     assert "--bad_examples skip" in message

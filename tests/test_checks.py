@@ -1,11 +1,11 @@
 """Preflight: one test per rule, with a configuration that triggers it and one that does not."""
 
 import pytest
+from conftest import settled
 
 import checks
-from arguments import parse_arguments
-from checks import Launch, Setup, preflight
-from distributed import launch_environment
+from checks import preflight
+from distributed import Launch, launch_environment
 from utils import REPO_DIR
 
 CONFIGS = REPO_DIR / "configs"
@@ -18,20 +18,20 @@ def launch(config: str | None = None, **overrides) -> Launch:
     return Launch(env, int(overrides.pop("WORLD_SIZE", 2 if config else 1)))
 
 
-def setup(argv=(), launch_=None, **fields) -> Setup:
-    model_args, data_args, training_args, _ = parse_arguments(list(argv))
-    return Setup(model_args, data_args, training_args, launch_ or Launch(), **fields)
+def setup(argv=(), launch_=None, **facts):
+    """The settled configuration of `argv` under a launch, with the given facts (see conftest.settled)."""
+    return settled(argv, launch=launch_ or Launch(), **facts)
 
 
-def fired(rule, s: Setup):
-    problem = rule(s)
+def fired(rule, config):
+    problem = rule(config)
     return problem and problem.level
 
 
 QLORA = ["--use_4bit_quantization", "true", "--bf16", "true"]
 
 CASES = [
-    # rule, (argv, launch, extra Setup fields) that triggers it, the same that does not, the level
+    # rule, (argv, launch, facts) that triggers it, the same that does not, the level
     (checks.quant_storage_dtype,
      (QLORA + ["--bnb_4bit_quant_storage_dtype", "uint8"], launch("fsdp_config_qlora.yaml"), {}),
      (QLORA, launch("fsdp_config_qlora.yaml"), {}), "error"),
@@ -84,11 +84,11 @@ CASES = [
      (["--eval_num_prompts", "8"], launch("fsdp2_config.yaml"), {}),
      (["--eval_num_prompts", "0"], launch("fsdp2_config.yaml"), {}), "warning"),
     (checks.added_tokens_under_fsdp,
-     ([], launch("fsdp_config.yaml"), {"added_tokens": 2}), ([], launch("fsdp_config.yaml"), {"added_tokens": 0}),
+     ([], launch("fsdp_config.yaml"), {"added_token_ids": [7, 8]}), ([], launch("fsdp_config.yaml"), {"added_token_ids": []}),
      "warning"),
     (checks.added_tokens_under_fsdp,
-     (QLORA, launch("fsdp2_config_qlora.yaml"), {"added_tokens": 2}),
-     (QLORA, launch("deepspeed_config_z3_qlora.yaml"), {"added_tokens": 2}), "warning"),
+     (QLORA, launch("fsdp2_config_qlora.yaml"), {"added_token_ids": [7, 8]}),
+     (QLORA, launch("deepspeed_config_z3_qlora.yaml"), {"added_token_ids": [7, 8]}), "warning"),
     (checks.flash_attention,
      (["--use_flash_attn", "true"], None, {"cuda": False}), (["--use_flash_attn", "false"], None, {"cuda": False}),
      "error"),
@@ -114,18 +114,16 @@ CASES = [
 
 @pytest.mark.parametrize("rule, bad, good, level", CASES,
                          ids=[f"{case[0].__name__}-{i}" for i, case in enumerate(CASES)])
-def test_rule_fires_on_its_trap_and_only_there(monkeypatch, rule, bad, good, level):
-    monkeypatch.setattr(checks, "is_flash_attn_installed", lambda: False)
-    monkeypatch.setattr(checks, "native_bf16_supported", lambda: True)
+def test_rule_fires_on_its_trap_and_only_there(rule, bad, good, level):
     argv, launch_, fields = bad
     assert fired(rule, setup(argv, launch_, **fields)) == level
     argv, launch_, fields = good
     assert fired(rule, setup(argv, launch_, **fields)) is None
 
 
-def test_bf16_rule_follows_the_hardware(monkeypatch):
-    monkeypatch.setattr(checks, "native_bf16_supported", lambda: False)
-    assert fired(checks.bf16_support, setup(["--bf16", "true"])) == "error"
+def test_bf16_rule_follows_the_hardware():
+    assert fired(checks.bf16_support, setup(["--bf16", "true"], native_bf16=False)) == "error"
+    assert fired(checks.bf16_support, setup(["--bf16", "true"], native_bf16=True)) is None
     assert fired(checks.bf16_support, setup(["--bf16", "false"])) is None
     assert fired(checks.bf16_support, setup(["--bf16", "true"], here=False)) is None  # checking a GPU launch
 
@@ -148,10 +146,11 @@ def test_model_without_a_layer_class_to_wrap(tiny_model_dir):
         memory.no_split_modules = original
 
 
-def test_every_problem_is_reported_at_once_errors_first(monkeypatch):
-    monkeypatch.setattr(checks, "is_flash_attn_installed", lambda: False)
-    s = setup(QLORA + ["--bnb_4bit_quant_storage_dtype", "uint8", "--optim", "paged_adamw_8bit", "--use_flash_attn",
-                       "true", "--eval_num_prompts", "4"], launch("fsdp2_config_qlora.yaml"), cuda=True)
+def test_every_problem_is_reported_at_once_errors_first():
+    # a GPU here: the SFTConfig is still built on this host, so without bf16 (TrainingArguments refuses it on CPU)
+    s = setup(["--use_4bit_quantization", "true", "--bf16", "false", "--bnb_4bit_quant_storage_dtype", "uint8",
+               "--optim", "paged_adamw_8bit", "--use_flash_attn", "true", "--eval_num_prompts", "4"],
+              launch("fsdp2_config_qlora.yaml"), cuda=True)
     problems = preflight(s)
     levels = [p.level for p in problems]
     assert levels == sorted(levels, key=lambda level: level != "error")
@@ -172,11 +171,12 @@ def test_shipped_launchers_pass_their_own_check(tiny_model_dir, chat_dir):
                 *(["--use_4bit_quantization", "true", "--bnb_4bit_quant_storage_dtype", "bfloat16"] if qlora else [])]
         from transformers import AutoConfig
 
-        problems = preflight(setup(argv, launch(config), here=False, cuda=True,
+        problems = preflight(setup(argv, launch(config), here=False, cuda=True, native_bf16=True,
                                    model_config=AutoConfig.from_pretrained(tiny_model_dir)))
         assert [p for p in problems if p.level == "error"] == [], (config, problems)
 
 
+@pytest.mark.e2e
 def test_check_command_reports_everything_and_loads_no_weights(tiny_model_dir, chat_dir):
     import subprocess
     import sys
@@ -192,3 +192,4 @@ def test_check_command_reports_everything_and_loads_no_weights(tiny_model_dir, c
     good = subprocess.run(base, cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
     assert good.returncode == 0, good.stderr
     assert "check passed" in good.stdout and "Loading weights" not in good.stderr + good.stdout
+    assert "settled:" in good.stdout and "activation_checkpointing_kwargs = {'use_reentrant': True}" in good.stdout

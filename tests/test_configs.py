@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 import yaml
+from conftest import settled
 
 from distributed import deepspeed_to_fsdp, fsdp_to_deepspeed, launch_environment, translate
 from utils import REPO_DIR
@@ -91,8 +92,6 @@ def test_fsdp_configs_build_the_plugin_they_describe(path, monkeypatch, device_s
 def test_deepspeed_configs_take_accumulation_and_clipping_from_the_training_flags(path, monkeypatch):
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    from arguments import parse_arguments
-
     env, plugin = plugin_for(path, monkeypatch)
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
     config = plugin.deepspeed_config
@@ -101,8 +100,8 @@ def test_deepspeed_configs_take_accumulation_and_clipping_from_the_training_flag
     assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert config["gradient_accumulation_steps"] == "auto" and config["gradient_clipping"] == "auto"
     # What the Trainer does with it: fill "auto" from the training flags; nothing may disagree.
-    *_, training_args, _ = parse_arguments(["--gradient_accumulation_steps", "4", "--max_grad_norm", "0.5",
-                                            "--per_device_train_batch_size", "2", "--bf16", "true"])
+    training_args = settled(["--gradient_accumulation_steps", "4", "--max_grad_norm", "0.5",
+                             "--per_device_train_batch_size", "2", "--bf16", "true"]).training
     hf_config = HfTrainerDeepSpeedConfig(config)
     hf_config.trainer_config_process(training_args)
     assert hf_config.mismatches == []
@@ -114,14 +113,12 @@ def test_hard_coded_accumulation_that_disagrees_is_caught_by_transformers(monkey
     """Why the shipped configs leave these keys out: written in two places, they can disagree."""
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    from arguments import parse_arguments
-
     config = load(REPO_DIR / "configs" / "deepspeed_config.yaml")
     config["deepspeed_config"]["gradient_accumulation_steps"] = 8
     path = tmp_path / "ds.yaml"
     path.write_text(yaml.safe_dump(config))
     _, plugin = plugin_for(path, monkeypatch)
-    *_, training_args, _ = parse_arguments(["--gradient_accumulation_steps", "4"])
+    training_args = settled(["--gradient_accumulation_steps", "4"]).training
     hf_config = HfTrainerDeepSpeedConfig(plugin.deepspeed_config)
     hf_config.trainer_config_process(training_args)
     assert any("gradient_accumulation_steps" in m for m in hf_config.mismatches)
@@ -174,6 +171,7 @@ def test_what_does_not_translate_is_reported():
     assert any(n.startswith("fsdp_backward_prefetch") for n in notes)
 
 
+@pytest.mark.e2e
 def test_translate_command_writes_a_config_accelerate_loads(tmp_path):
     from accelerate.commands.config.config_args import ClusterConfig
 

@@ -1,13 +1,13 @@
 """Data: exact token ids and loss masks for every format, and packing that keeps examples independent."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from utils import IGNORE_INDEX, build_datasets, build_tokenizer, detect_format, load_raw_datasets
-from utils import tokenize_example
+from training_data import IGNORE_INDEX, detect_format, load_splits, tokenize_example, tokenize_splits
+from arguments import ModelArguments
+from utils import build_tokenizer
 
 CHAT = [
     {"role": "user", "content": "Convert this date to ISO format (YYYY-MM-DD): March 5, 2021"},
@@ -49,7 +49,7 @@ def test_every_assistant_turn_is_supervised_and_nothing_else(smol_tokenizer):
 
 @pytest.mark.parametrize("template, expected", [("chatml", "2021-03-05<|im_end|>"), ("zephyr", "2021-03-05<|im_end|>")])
 def test_replacement_templates_supervise_the_answer_and_end_of_turn(smol_dir, template, expected):
-    tok, added = build_tokenizer(argparse.Namespace(model_name_or_path=str(smol_dir), chat_template_format=template))
+    tok, added = build_tokenizer(ModelArguments(model_name_or_path=str(smol_dir), chat_template_format=template))
     assert added == []  # SmolLM2 already has the ChatML tokens; nothing is added, no `<s>` appears
     assert "<s>" not in tok.apply_chat_template(CHAT, tokenize=False)
     assert tok.decode(supervised(chat_example(tok, CHAT))) == expected
@@ -127,8 +127,7 @@ def test_every_local_source_loads(tmp_path, layout):
     else:
         DatasetDict(train=Dataset.from_list(rows), test=Dataset.from_list(rows[:2])).save_to_disk(tmp_path / "saved")
         source = tmp_path / "saved"
-    raw, bad, data_format = load_raw_datasets(argparse.Namespace(dataset_name=str(source),
-                                                                 split_names=splits.split(",")))
+    raw, bad, data_format = load_splits(str(source), splits.split(","))
     assert list(raw) == splits.split(",") and bad == [] and data_format == "text"
     assert raw["train"]["text"] == [r["text"] for r in rows]
 
@@ -136,15 +135,13 @@ def test_every_local_source_loads(tmp_path, layout):
 def test_missing_split_file_names_the_file(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"text": "a"}])
     with pytest.raises(ValueError, match="no test.jsonl"):
-        load_raw_datasets(argparse.Namespace(dataset_name=str(tmp_path), split_names=["train", "test"]))
+        load_splits(str(tmp_path), ["train", "test"])
 
 
 def test_special_token_flags_are_refused_for_chat_data(smol_tokenizer, chat_dir):
-    raw, _, data_format = load_raw_datasets(argparse.Namespace(dataset_name=str(chat_dir), split_names=["train"]))
-    data_args = argparse.Namespace(add_special_tokens=True, append_concat_token=True)
+    raw, _, data_format = load_splits(str(chat_dir), ["train"])
     with pytest.raises(ValueError, match="--add_special_tokens / --append_concat_token apply to text"):
-        build_datasets(raw, data_format, smol_tokenizer, data_args,
-                       argparse.Namespace(dataset_text_field="text", max_length=512))
+        tokenize_splits(raw, data_format, smol_tokenizer, max_length=512, truncate=True, add_special_tokens=True)
 
 
 def per_token_losses(model, input_ids, labels, position_ids=None):

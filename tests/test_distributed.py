@@ -8,26 +8,24 @@ import sys
 
 import pytest
 import torch
+from conftest import PROBE, base_model, tiny_run_args
 from peft import PeftModel
 from safetensors.torch import load_file
 
 import train
-from arguments import parse_arguments
-from utils import REPO_DIR, build_model, build_tokenizer
+from utils import REPO_DIR
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = pytest.mark.multiprocess
 WORKER = REPO_DIR / "tests" / "fsdp_worker.py"
 
 
 def recipe_args(model_dir, data_dir, out, batch_size, quantized):
     # SGD and no LoRA dropout: the comparison with one process is then exact up to float rounding (AdamW would hide a
     # gradient scaled by the world size, and dropout masks differ per rank).
-    return ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out),
-            "--max_steps", "3", "--per_device_train_batch_size", str(batch_size), "--optim", "sgd",
-            "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--lora_dropout", "0",
-            "--logging_steps", "1", "--bf16", "false", "--eval_num_prompts", "0", "--splits", "train",
-            "--disable_tqdm", "true", "--save_strategy", "steps", "--save_steps", "3",
-            *(["--use_4bit_quantization", "true"] if quantized else [])]
+    return tiny_run_args(model_dir, data_dir, out, "--max_steps", "3", "--per_device_train_batch_size", str(batch_size),
+                         "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant",
+                         "--lora_dropout", "0", "--splits", "train", "--save_strategy", "steps", "--save_steps", "3",
+                         *(["--use_4bit_quantization", "true"] if quantized else []))
 
 
 def launch_two_processes(args, config):
@@ -81,12 +79,9 @@ def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, chat_dir, tmp
             assert sharded_adapter[name][half:].abs().sum() > 0
 
     # The final full-state-dict save is a plain adapter: one process reloads it to the sharded model's logits.
-    argv = recipe_args(tiny_model_dir, chat_dir, tmp_path / "unused", 4, quantized)
-    model_args, _, training_args, _ = parse_arguments(argv)
-    tokenizer, added = build_tokenizer(model_args)
-    base = build_model(model_args, training_args, tokenizer, added)
+    base = base_model(recipe_args(tiny_model_dir, chat_dir, tmp_path / "unused", 4, quantized))
     reloaded = PeftModel.from_pretrained(base, tmp_path / "fsdp", autocast_adapter_dtype=not quantized).eval()
-    batch = tokenizer(["Convert this date to ISO format (YYYY-MM-DD): May 1, 2000"], return_tensors="pt")
+    batch = single.processing_class([PROBE], return_tensors="pt")
     with torch.no_grad():
         logits = reloaded(**batch).logits.float()
     torch.testing.assert_close(logits, torch.load(tmp_path / "fsdp" / "sharded_logits.pt"),
@@ -109,6 +104,4 @@ def test_sharded_checkpoint_consolidates_into_the_adapter(tiny_model_dir, chat_d
     assert consolidated.keys() == final.keys()
     for name in final:
         assert torch.equal(consolidated[name], final[name])
-    model_args, _, training_args, _ = parse_arguments(recipe_args(tiny_model_dir, chat_dir, tmp_path / "x", 4, False))
-    tokenizer, added = build_tokenizer(model_args)
-    PeftModel.from_pretrained(build_model(model_args, training_args, tokenizer, added), adapter)  # loads
+    PeftModel.from_pretrained(base_model(recipe_args(tiny_model_dir, chat_dir, tmp_path / "x", 4, False)), adapter)

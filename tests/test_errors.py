@@ -1,14 +1,13 @@
 """Bad input stops the run with one clear line naming the problem and the fix, before any weights load."""
 
+import json
 import subprocess
 import sys
 import tempfile
 
 import pytest
 
-import checks
 import train
-from arguments import parse_arguments
 from utils import REPO_DIR
 
 
@@ -77,18 +76,21 @@ def test_flash_attention_where_it_cannot_run(no_weights, capsys):
 
 
 def test_bf16_on_a_machine_without_it(no_weights, capsys, monkeypatch):
-    monkeypatch.setattr(checks, "native_bf16_supported", lambda: False)
+    monkeypatch.setenv("RECIPE_NATIVE_BF16", "0")  # the probe's switch: as on a CPU without native bf16
     line = refused(["--bf16", "true"], capsys)
     assert line == ("error: --bf16 on a CPU without native bf16 (emulated bf16 is many times slower than fp32). "
                     "Fix: pass --bf16 false")
 
 
-def test_bf16_default_follows_the_hardware(monkeypatch):
-    import arguments
+def test_template_the_tokenizer_cannot_take(no_weights, capsys, tmp_path, tiny_model_dir):
+    import shutil
 
-    for native in (True, False):
-        monkeypatch.setattr(arguments, "native_bf16_supported", lambda: native)
-        assert parse_arguments([])[2].bf16 is native
+    shutil.copytree(tiny_model_dir, tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+    config["eos_token"] = None
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps(config))
+    line = refused(["--model_name_or_path", str(tmp_path / "model"), "--chat_template_format", "zephyr"], capsys)
+    assert "could not be prepared" in line and "no" in line and "--chat_template_format chatml" in line
 
 
 def test_missing_resume_checkpoint(no_weights, capsys, tmp_path):
@@ -107,6 +109,7 @@ def test_malformed_jsonl_names_file_and_line(no_weights, capsys, tmp_path, tiny_
     assert "--bad_examples skip" in err
 
 
+@pytest.mark.e2e
 def test_command_line_exit_code_and_message():
     """The real command: non-zero exit, one error line on stderr, no traceback."""
     result = subprocess.run([sys.executable, "train.py", "--lora_rr", "8"], cwd=REPO_DIR, capture_output=True,

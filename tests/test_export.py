@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from conftest import probe_logits, tiny_run_args
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -13,31 +14,25 @@ import export
 import train
 from utils import REPO_DIR
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-PROBE = "Convert this date to ISO format (YYYY-MM-DD): May 1, 2000"
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["lora", "qlora"])
 def trained(request, tiny_model_dir, chat_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(chat_dir), "--output_dir", str(out),
-            "--max_steps", "4", "--learning_rate", "1e-2", "--logging_steps", "1", "--bf16", "false",
-            "--eval_num_prompts", "4", "--disable_tqdm", "true"]
+    argv = tiny_run_args(tiny_model_dir, chat_dir, out, "--max_steps", "4", "--learning_rate", "1e-2",
+                         "--eval_num_prompts", "4")
     if request.param:
         argv += ["--use_4bit_quantization", "true"]
     train.run(argv)
     return out, request.param
 
 
-def logits(model, tokenizer):
-    with torch.no_grad():
-        return model.eval()(**tokenizer([PROBE], return_tensors="pt")).logits.float()
-
-
 def test_run_leaves_a_report_and_curves(trained):
     out, _ = trained
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["results"]["train_steps"] == 4 and "eval_loss" in summary["results"]
+    assert {"padding_free", "attention", "use_cpu"} <= {decision["setting"] for decision in summary["decisions"]}
     assert len(summary["results"]["step_seconds"]) == 4 and all(x > 0 for x in summary["results"]["step_seconds"])
     assert [e["step"] for e in summary["log_history"] if "loss" in e] == [1, 2, 3, 4]
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -53,7 +48,7 @@ def test_merge_matches_base_plus_adapter(trained, tmp_path):
         "base_model_name_or_path"], dtype=torch.float32)
     unmerged = PeftModel.from_pretrained(base, out)
     assert not any("lora" in name for name, _ in merged.named_parameters())
-    torch.testing.assert_close(logits(merged, tokenizer), logits(unmerged, tokenizer), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(probe_logits(merged, tokenizer), probe_logits(unmerged, tokenizer), rtol=1e-4, atol=1e-4)
 
 
 def test_merge_is_refused_inside_a_sharded_run(trained, tmp_path, monkeypatch):

@@ -1,13 +1,12 @@
 """The waste fast_paths.py removes: each shortcut gives the numbers of the long way round, and is in effect."""
 
-import argparse
 import inspect
 
 import pytest
 import torch
 
 from fast_paths import register_attention, score_labelled_positions_only
-from utils import build_datasets
+from training_data import ORIGIN, tokenize_splits
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +99,9 @@ def test_padding_free_data_is_truncated_by_the_recipe(smol_tokenizer, tmp_path):
     """TRL does not truncate padding-free batches: the recipe cuts what max_length allows (a trailing user turn)."""
     from datasets import Dataset, DatasetDict
 
-    from data_validation import ORIGIN
-
     messages = [{"role": "user", "content": "Date?"}, {"role": "assistant", "content": "2020-01-01"},
                 {"role": "user", "content": "thanks " * 200}]
     raw = DatasetDict({"train": Dataset.from_list([{"messages": messages, ORIGIN: "train:1"}])})
-    tokenized, bad = build_datasets(raw, "conversational", smol_tokenizer,
-                                    argparse.Namespace(add_special_tokens=False, append_concat_token=True),
-                                    argparse.Namespace(dataset_text_field="text", max_length=64, packing=False))
+    tokenized, bad = tokenize_splits(raw, "conversational", smol_tokenizer, max_length=64, truncate=True)
     assert not bad and len(tokenized["train"][0]["input_ids"]) == 64
     assert any(label != -100 for label in tokenized["train"][0]["labels"])

@@ -8,10 +8,10 @@ import sys
 import subprocess
 
 import pytest
+from conftest import settled
 
-from arguments import parse_arguments
 from distributed import launch_environment
-from utils import REPO_DIR, load_dtype
+from utils import REPO_DIR
 
 LAUNCHERS = sorted(REPO_DIR.glob("run_*.sh"))
 RECORDER = """#!/usr/bin/env python3
@@ -69,7 +69,8 @@ def test_launcher_runs_one_accelerate_command_with_the_recipe(script, fake_bin):
     config = launch_args[launch_args.index("--config_file") + 1]
     assert (REPO_DIR / config).is_file()
 
-    model_args, data_args, training_args, _ = parse_arguments(train_args)
+    settled_run = settled(train_args, cuda=True, here=False, native_bf16=True)  # as on the launchers' GPU machines
+    model_args, data_args, training_args = settled_run.model, settled_run.data, settled_run.training
     assert (model_args.model_name_or_path, data_args.dataset_name) == ("org/other-model", "org/other-data")
     assert training_args.max_steps == 7  # "$@" comes last and wins
     assert (model_args.lora_r, model_args.lora_alpha, model_args.lora_targets) == (8, 16, "all-linear")
@@ -81,7 +82,7 @@ def test_launcher_runs_one_accelerate_command_with_the_recipe(script, fake_bin):
     assert model_args.use_4bit_quantization is qlora
     if qlora:  # storage dtype == load dtype == compute dtype: FSDP / ZeRO-3 flatten one dtype
         assert model_args.bnb_4bit_quant_storage_dtype == model_args.bnb_4bit_compute_dtype == "bfloat16"
-        assert str(load_dtype(model_args, training_args)) == "torch.bfloat16"
+        assert str(settled_run.dtype) == "torch.bfloat16"
     # reentrant checkpointing for QLoRA and for ZeRO-3 (non-reentrant fails there); LoRA + FSDP keeps the reference's
     assert model_args.use_reentrant is (qlora or deepspeed)
     env = launch_environment([*launch_args, "train.py"])
@@ -105,8 +106,8 @@ def test_slurm_script_starts_accelerate_on_every_node(fake_bin, config, reentran
         assert flags["--machine_rank"] == str(rank) and flags["--main_process_ip"] == "gpu-node-a"
         assert flags["--num_machines"] == "2" and flags["--num_processes"] == "16"
         assert flags["--config_file"] == (config or "configs/fsdp2_config_multinode.yaml")
-        model_args, _, training_args, _ = parse_arguments(train_args)
-        assert training_args.max_steps == 3 and model_args.use_reentrant is reentrant
+        settled_run = settled(train_args)
+        assert settled_run.training.max_steps == 3 and settled_run.model.use_reentrant is reentrant
         env = launch_environment([*launch_args, "train.py"])
         assert env["ACCELERATE_USE_DEEPSPEED" if config else "ACCELERATE_USE_FSDP"] == "true"
 

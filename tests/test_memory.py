@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from conftest import settled
 
 import checks
 from memory import ALLOCATOR_HEADROOM, GIB, Run, Shapes, load_config, plan
@@ -60,17 +61,13 @@ def test_published_reference_points(run, published_gib, tolerance):
 def test_preflight_warns_when_the_plan_does_not_fit(tiny_model_dir):
     from transformers import AutoConfig
 
-    from arguments import parse_arguments
-
-    model_args, data_args, training_args, _ = parse_arguments(["--per_device_train_batch_size", "64",
-                                                               "--max_length", "4096"])
-    setup = checks.Setup(model_args, data_args, training_args, checks.Launch(), cuda=True,
-                         model_config=AutoConfig.from_pretrained(tiny_model_dir), gpu_gib=24)
-    assert checks.memory_fit(setup).level == "warning"
-    setup.gpu_gib = 4000
-    assert checks.memory_fit(setup) is None
+    argv = ["--per_device_train_batch_size", "64", "--max_length", "4096", "--activation_checkpointing", "false"]
+    facts = dict(cuda=True, here=False, model_config=AutoConfig.from_pretrained(tiny_model_dir))
+    assert checks.memory_fit(settled(argv, gpu_gib=24, **facts)).level == "warning"
+    assert checks.memory_fit(settled(argv, gpu_gib=4000, **facts)) is None
 
 
+@pytest.mark.e2e
 def test_command_prints_breakdown_assumptions_and_verdict():
     result = subprocess.run([sys.executable, "memory.py", "--model", "llama-2-70b", "--method", "qlora", "--engine",
                              "fsdp", "--gpus", "2", "--offload", "--batch", "2", "--seq", "2048", "--gpu_gib", "24"],
@@ -78,35 +75,3 @@ def test_command_prints_breakdown_assumptions_and_verdict():
     assert result.returncode == 0, result.stderr
     for expected in ("per GPU:", "activations", "host RAM:", "weights (frozen)", "assumptions:", "fits in 24 GiB"):
         assert expected in result.stdout
-
-
-def test_the_memory_plan_decides_activation_checkpointing_when_the_user_did_not():
-    """Llama-2-7B LoRA, 2 x 4096 tokens: about 128 GiB planned with checkpointing off. On one 80 GB GPU it goes on
-    (and says why); on a 141 GB GPU, or at 1 x 2048 tokens (45 GiB), it stays off; unknown GPU memory decides
-    nothing."""
-    from arguments import parse_arguments
-
-    def decide(argv, **fields):
-        model_args, data_args, training_args, _ = parse_arguments(argv)
-        setup = checks.Setup(model_args, data_args, training_args, checks.Launch(), cuda=True,
-                             model_config=load_config("llama-2-7b"), **fields)
-        return checks.choose_activation_checkpointing(setup), setup.training.activation_checkpointing
-
-    big = ["--per_device_train_batch_size", "2", "--max_length", "4096", "--bf16", "true"]
-    reason, on = decide(big, gpu_gib=80)
-    assert on and "without it" in reason and "80 GiB" in reason
-    assert decide(big, gpu_gib=141) == (None, False)
-    assert decide(["--per_device_train_batch_size", "1", "--max_length", "2048", "--bf16", "true"],
-                  gpu_gib=80) == (None, False)
-    assert decide(big, gpu_gib=None) == (None, False)
-
-
-def test_an_explicit_activation_checkpointing_flag_is_never_overridden(smol_dir, tmp_path, monkeypatch):
-    import train
-
-    decided = []
-    monkeypatch.setattr(train, "choose_activation_checkpointing", lambda setup: decided.append(setup) or None)
-    for flags, asked in ((["--activation_checkpointing", "false"], False), ([], True)):
-        train.run(["--check", "--output_dir", str(tmp_path / "out"), *flags])
-        assert bool(decided) == asked
-        decided.clear()

@@ -12,19 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_run_args
 from safetensors.torch import load_file
 
 from checkpoints import COMPLETE, checkpoints, latest_complete, rotate
 from utils import REPO_DIR
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-
 
 def recipe(model_dir, data_dir, out, steps=8, *extra):
-    return ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out),
-            "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
-            "--per_device_train_batch_size", "8", "--bf16", "false", "--eval_num_prompts", "0", "--splits", "train",
-            "--disable_tqdm", "true", "--learning_rate", "1e-2", *extra]
+    return tiny_run_args(model_dir, data_dir, out, "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps",
+                         "2", "--splits", "train", "--learning_rate", "1e-2", *extra)
 
 
 def start(argv, launcher=()):
@@ -63,7 +60,8 @@ def kill_after_checkpoint(argv, out, step, launcher=()):
     assert process.returncode == -signal.SIGKILL
 
 
-@pytest.mark.parametrize("distributed", [False, True], ids=["one-process", "fsdp-2-processes"])
+@pytest.mark.parametrize("distributed", [pytest.param(False, marks=pytest.mark.e2e, id="one-process"),
+                                         pytest.param(True, marks=pytest.mark.multiprocess, id="fsdp-2-processes")])
 def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_dir, tmp_path, distributed):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp2_config.yaml",
                 "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", "train.py") \
@@ -90,11 +88,11 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, chat_dir, tmp_path, signum):
     out = tmp_path / "run"
-    argv = recipe(tiny_model_dir, chat_dir, out, 400)
-    argv[argv.index("--save_steps") + 1] = "1000"  # no scheduled checkpoint: only the one the signal asks for
+    argv = recipe(tiny_model_dir, chat_dir, out, 400, "--save_steps", "1000")  # only the checkpoint the signal asks for
     process = start(argv)
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
@@ -112,8 +110,7 @@ def test_signal_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, chat_dir, t
     assert checkpoint is not None
     step = int(Path(checkpoint).name.split("-")[1])
     assert 0 < step < 400
-    resumed = finish([*argv[:argv.index("--max_steps") + 1], str(step + 2), *argv[argv.index("--max_steps") + 2:],
-                      "--resume_from_checkpoint", "latest"])
+    resumed = finish([*argv, "--max_steps", str(step + 2), "--resume_from_checkpoint", "latest"])
     assert f"resuming from {checkpoint}" in resumed
 
 
@@ -127,6 +124,7 @@ def test_rotation_keeps_the_limit_the_newest_and_the_resumed_one(tmp_path):
     assert [p.name for _, p, _ in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8", "checkpoint-10"]
 
 
+@pytest.mark.e2e
 def test_output_dir_with_another_run_is_kept_unless_asked(tiny_model_dir, chat_dir, tmp_path):
     out = tmp_path / "run"
     finish(recipe(tiny_model_dir, chat_dir, out, 2))
@@ -136,6 +134,7 @@ def test_output_dir_with_another_run_is_kept_unless_asked(tiny_model_dir, chat_d
     finish([*recipe(tiny_model_dir, chat_dir, out, 2), "--overwrite_output_dir", "true"])
 
 
+@pytest.mark.e2e
 def test_unwritable_output_is_refused_before_training(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -144,6 +143,7 @@ def test_unwritable_output_is_refused_before_training(tmp_path):
     assert result.returncode == 2 and "cannot be created or written" in result.stderr
 
 
+@pytest.mark.e2e
 def test_disk_full_during_a_save_is_reported(tiny_model_dir, chat_dir, tmp_path, monkeypatch, capsys):
     import errno
 
@@ -161,6 +161,7 @@ def test_disk_full_during_a_save_is_reported(tiny_model_dir, chat_dir, tmp_path,
     assert "No space left on device" in err and "--resume_from_checkpoint latest" in err
 
 
+@pytest.mark.e2e
 def test_a_planted_token_is_in_no_written_file(tiny_model_dir, chat_dir, tmp_path):
     planted = "hf_PLANTEDsecret9876543210abcdef"
     out = tmp_path / "run"

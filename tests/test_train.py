@@ -1,49 +1,41 @@
-"""Training end to end through train.py: LoRA and QLoRA on a tiny Llama, added template tokens, the default run."""
+"""Training end to end through train.py: LoRA and QLoRA on a tiny Llama, recorded losses, added template tokens,
+`--torch_compile`, the default run."""
 
-import argparse
 import json
 
 import pytest
 import torch
+from conftest import base_model, losses, probe_logits, tiny_run_args
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 import train
-from arguments import parse_arguments
-from utils import build_model, build_tokenizer
+from configuration import configure
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-
-
-def tiny_args(model_dir, data_dir, out, *extra):
-    return ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out),
-            "--max_steps", "6", "--per_device_train_batch_size", "8", "--learning_rate", "3e-2", "--logging_steps", "1",
-            "--bf16", "false", "--eval_num_prompts", "0", "--disable_tqdm", "true", "--warmup_steps", "0", *extra]
+# The tiny fp32 LoRA run (tiny_run_args on the first 64 demo conversations, 6 steps, seed 42), recorded on 2026-12-01
+# (AMD EPYC, AVX2, torch 2.13.0 CPU). A change in the data, the masks, the loss or the optimizer moves them by far more
+# than the tolerance; other CPU kernels move them by rounding only: ATEN_CPU_CAPABILITY=default (no vector kernels)
+# moved them by at most 7e-7 relative, 30x inside the tolerance.
+RECORDED_LOSSES = [11.692840, 10.171215, 8.557518, 8.144197, 7.650654, 7.694229]
 
 
-def fresh_model(argv):
-    """The base model exactly as train.py builds it, before any training."""
-    model_args, _, training_args, _ = parse_arguments(argv)
-    tokenizer, added = build_tokenizer(model_args)
-    return build_model(model_args, training_args, tokenizer, added).eval()
+@pytest.mark.e2e
+def test_tiny_lora_run_reproduces_its_recorded_losses(tiny_model_dir, chat_dir, tmp_path):
+    trainer, _ = train.run(tiny_run_args(tiny_model_dir, chat_dir, tmp_path / "out", "--splits", "train"))
+    assert losses(trainer.state.log_history) == pytest.approx(RECORDED_LOSSES, rel=2e-5, abs=0)
 
 
-def logits(model, tokenizer):
-    batch = tokenizer(["Convert this date to ISO format (YYYY-MM-DD): May 1, 2000"], return_tensors="pt")
-    with torch.no_grad():
-        return model.eval()(**batch).logits.float()
-
-
+@pytest.mark.e2e
 @pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora-4bit"])
 def test_lora_trains_only_the_adapter_and_the_saved_adapter_reloads(tiny_model_dir, chat_dir, tmp_path, quantized):
     extra = ["--use_4bit_quantization", "true", "--eval_num_prompts", "2"] if quantized else []
-    argv = tiny_args(tiny_model_dir, chat_dir, tmp_path / "out", *extra)
+    argv = tiny_run_args(tiny_model_dir, chat_dir, tmp_path / "out", *extra)
     trainer, summary = train.run(argv)
 
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses  
+    trained = losses(trainer.state.log_history)
+    assert len(trained) == 6 and trained[-1] < trained[0] - 0.3, trained
 
-    base = dict(fresh_model(argv).named_parameters())
+    base = dict(base_model(argv).named_parameters())
     lora_b = 0
     for name, param in trainer.model.named_parameters():
         if "lora_" in name:
@@ -62,11 +54,12 @@ def test_lora_trains_only_the_adapter_and_the_saved_adapter_reloads(tiny_model_d
     assert config["r"] == 16 and {name.rsplit(".", 1)[-1] for name in config["target_modules"]} == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     # TRL trains the adapter of a quantized model in bf16; PEFT would upcast it to fp32 on load unless told not to
-    reloaded = PeftModel.from_pretrained(fresh_model(argv), out, autocast_adapter_dtype=not quantized)
-    torch.testing.assert_close(logits(reloaded, trainer.processing_class),
-                               logits(trainer.model, trainer.processing_class), rtol=0, atol=0)
+    reloaded = PeftModel.from_pretrained(base_model(argv), out, autocast_adapter_dtype=not quantized)
+    torch.testing.assert_close(probe_logits(reloaded, trainer.processing_class),
+                               probe_logits(trainer.model, trainer.processing_class), rtol=0, atol=0)
 
 
+@pytest.mark.e2e
 def test_torch_compile_compiles_each_decoder_layer_and_trains_as_eager(tiny_model_dir, chat_dir, tmp_path, capsys,
                                                                        monkeypatch):
     import torch._dynamo
@@ -76,13 +69,13 @@ def test_torch_compile_compiles_each_decoder_layer_and_trains_as_eager(tiny_mode
         monkeypatch.delenv(f"ACCELERATE_DYNAMO_{name}")
     runs = {}
     for mode, extra in (("eager", []), ("compiled", ["--torch_compile", "true"])):
-        argv = tiny_args(tiny_model_dir, chat_dir, tmp_path / mode, "--max_steps", "3", "--splits", "train", *extra)
+        argv = tiny_run_args(tiny_model_dir, chat_dir, tmp_path / mode, "--max_steps", "3", "--splits", "train", *extra)
         torch._dynamo.utils.counters.clear()
         trainer, _ = train.run(argv)
-        runs[mode] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        runs[mode] = losses(trainer.state.log_history)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         assert (graphs > 0) == (mode == "compiled"), (mode, graphs)
-    assert "compiled: each decoder layer" in capsys.readouterr().out
+    assert "torch_compile = each decoder layer" in capsys.readouterr().out
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=2e-3)
 
 
@@ -107,17 +100,18 @@ def tokenizer_without_chatml(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_added_template_tokens_are_trained_saved_and_reload_without_size_mismatch(tokenizer_without_chatml, chat_dir,
                                                                                  tmp_path):
-    argv = tiny_args(tokenizer_without_chatml, chat_dir, tmp_path / "out", "--chat_template_format", "chatml")
-    model_args, *_ = parse_arguments(argv)
-    tokenizer, added = build_tokenizer(model_args)
+    argv = tiny_run_args(tokenizer_without_chatml, chat_dir, tmp_path / "out", "--chat_template_format", "chatml")
+    facts = configure(argv).facts
+    tokenizer, added = facts.tokenizer, facts.added_token_ids
     assert tokenizer.convert_ids_to_tokens(added) == ["<|im_start|>", "<|im_end|>"]
     assert "<s>" not in tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
 
     trainer, _ = train.run(argv)
     out = tmp_path / "out"
-    rows_before = fresh_model(argv).get_input_embeddings().weight[added]
+    rows_before = base_model(argv).get_input_embeddings().weight[added]
     trained = trainer.model.get_input_embeddings()(torch.tensor(added))
     assert not torch.allclose(trained, rows_before)  # the new rows were trained
 
@@ -126,10 +120,12 @@ def test_added_template_tokens_are_trained_saved_and_reload_without_size_mismatc
     reloaded = PeftModel.from_pretrained(base, out)  # no size mismatch
     saved_tokenizer = type(tokenizer).from_pretrained(out)
     assert len(saved_tokenizer) == len(tokenizer)
-    torch.testing.assert_close(logits(reloaded, saved_tokenizer), logits(trainer.model, saved_tokenizer),
+    torch.testing.assert_close(probe_logits(reloaded, saved_tokenizer), probe_logits(trainer.model, saved_tokenizer),
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.e2e
+@pytest.mark.native_bf16
 def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
     """The README's default run, shortened to a few steps: the held-out metric rises and the adapter is saved."""
     trainer, summary = train.run(["--output_dir", str(tmp_path / "out"), "--max_steps", "6", "--eval_num_prompts", "16",
@@ -138,6 +134,8 @@ def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
     # the defaults take fast_paths.py's attention on padding-free batches
     assert trainer.model.config._attn_implementation == "sdpa_varlen" and trainer.padding_free
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    decisions = json.loads((tmp_path / "out" / "run_summary.json").read_text())["decisions"]
+    assert {"bf16", "padding_free", "attention"} <= {decision["setting"] for decision in decisions}
 
 
 def test_shipped_demo_data_is_what_the_generator_makes():
@@ -161,10 +159,10 @@ def test_exact_match_normalises_whitespace_case_and_a_final_period():
 def test_resume_latest_picks_the_newest_complete_checkpoint(tmp_path):
     from checkpoints import COMPLETE
 
-    args = argparse.Namespace(resume_from_checkpoint="latest", output_dir=str(tmp_path))
-    assert train.resolve_resume_checkpoint(args) is None
+    assert train.resolve_resume_checkpoint("latest", tmp_path) is None
     for step in (4, 12):
         (tmp_path / f"checkpoint-{step}").mkdir()
         (tmp_path / f"checkpoint-{step}" / COMPLETE).write_text("{}")
     (tmp_path / "checkpoint-16").mkdir()  # half-written by a kill: no marker
-    assert train.resolve_resume_checkpoint(args).endswith("checkpoint-12")
+    assert train.resolve_resume_checkpoint("latest", tmp_path).endswith("checkpoint-12")
+    assert train.resolve_resume_checkpoint(str(tmp_path / "checkpoint-4"), tmp_path).endswith("checkpoint-4")

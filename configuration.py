@@ -1,0 +1,294 @@
+"""The one configuration a run uses, settled once from what the user asked for and the facts of the machine.
+
+    request = parse_arguments(argv)   # arguments.py: the user's config file and flags, nothing else
+    facts = gather(request)           # the launch, the hardware, the model's config.json, the tokenizer
+    config = settle(request, facts)   # every default and derived setting, each decision with its reason
+
+Nothing after `settle` changes the configuration: preflight (checks.py) only reads it, and train.py hands
+`config.training` to TRL as it is. The decisions are printed at the start of a run and kept in run_summary.json.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arguments import RECIPE_DEFAULTS, ConfigError, DataArguments, ModelArguments, Request, parse_arguments
+from distributed import Launch, launch_environment
+from fast_paths import ATTENTION, compile_settings
+from utils import DEFAULT_MODEL_DIR, build_tokenizer, convert_default_model, gguf_source, is_flash_attn_installed
+from utils import load_dtype, native_bf16_supported
+
+GIB = 2**30
+
+
+@dataclass
+class Facts:
+    """What is true of a run before anything is decided: read from the machine, the launch and the model, not chosen."""
+
+    launch: Launch = field(default_factory=Launch)
+    # False when checking a launch meant for other machines (--check --accelerate_config on a laptop): the rules about
+    # this machine's hardware are skipped, and the launch's GPUs are assumed to have CUDA and native bf16.
+    here: bool = True
+    cuda: bool = False  # the run's GPUs have CUDA
+    native_bf16: bool = False  # bf16 matmuls run natively (utils.native_bf16_supported; RECIPE_NATIVE_BF16 overrides)
+    flash_attn: bool = False  # the flash-attn package is installed
+    gpu_gib: float | None = None  # memory of each GPU: this machine's, or --gpu_gib
+    host_gib: float | None = None  # host RAM available when the run starts
+    threads: int = 1  # torch's intra-op threads
+    model_config: Any = None  # the model's transformers config, when it could be read without weights
+    tokenizer: Any = None  # the tokenizer with the chosen chat template, when it could be loaded
+    added_token_ids: list[int] = field(default_factory=list)  # tokens that template added to the vocabulary
+    tokenizer_problem: str | None = None  # why the tokenizer could not be built
+
+    @cached_property
+    def shapes(self):
+        """The model's parameter counts from its meta-device module tree (memory.Shapes), built once."""
+        from memory import Shapes
+
+        return Shapes.of(self.model_config)
+
+    @property
+    def gpu_here(self) -> bool:
+        return self.cuda and self.here
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
+def read_model_config(name_or_path: str, trust_remote_code: bool = False, token: str | None = None):
+    """The model's config.json (no weights), or None when it cannot be read here."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, token=token,
+                                          local_files_only=hub_offline())
+    except Exception:
+        return None
+
+
+def launch_of(accelerate_config: str) -> tuple[Launch, bool]:
+    """The settings `accelerate launch --config_file FILE` would give a process, and whether they are for this
+    machine (a CPU config) rather than GPU machines elsewhere."""
+    import yaml
+
+    if not os.path.isfile(accelerate_config):
+        raise ConfigError(f"--accelerate_config {accelerate_config}: no such file; pass one of configs/*.yaml")
+    settings = yaml.safe_load(Path(accelerate_config).read_text())
+    env = launch_environment(["--config_file", accelerate_config, "train.py"])
+    return Launch(env, settings.get("num_processes", 1)), bool(settings.get("use_cpu", False))
+
+
+def gather(request: Request) -> Facts:
+    """Read everything the configuration depends on. The offline default model is converted here once (about 20 s),
+    so its config and tokenizer are facts like any other model's."""
+    launch, here = launch_of(request.accelerate_config) if request.accelerate_config else (Launch.current(), True)
+    model, trust = request.model, bool(request.training.get("trust_remote_code", False))
+    token = request.training.get("hub_token")
+    if here and model.model_name_or_path == DEFAULT_MODEL_DIR and gguf_source() is not None:
+        convert_default_model()
+    cuda = torch.cuda.is_available() or not here
+    gpu_gib = request.gpu_gib
+    if gpu_gib is None and here and cuda:
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    import psutil
+
+    facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16_supported() if here else True,
+                  flash_attn=is_flash_attn_installed(), gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB,
+                  threads=torch.get_num_threads(),
+                  model_config=read_model_config(model.model_name_or_path, trust, token))
+    if facts.model_config is not None:
+        try:
+            facts.tokenizer, facts.added_token_ids = build_tokenizer(model, trust, token)
+        except Exception as err:  # a template the tokenizer cannot take, or tokenizer files that do not load
+            facts.tokenizer_problem = str(err)
+    return facts
+
+
+@dataclass(frozen=True)
+class Decision:
+    setting: str
+    value: Any
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.setting} = {self.value}: {self.why}"
+
+
+@dataclass
+class Configuration:
+    """The run, settled: the recipe's arguments, exactly what TRL receives, and what the recipe derived from them."""
+
+    model: ModelArguments
+    data: DataArguments
+    training: Any  # the SFTConfig handed to SFTTrainer as it is
+    facts: Facts
+    dtype: torch.dtype = torch.float32  # the base model's load dtype (4-bit: the quant storage dtype)
+    attention: str = ATTENTION  # attn_implementation
+    device_map: dict | None = None  # from_pretrained's placement (4-bit on one GPU: bnb quantizes while placing)
+    max_length: int | None = None  # tokens per example as the recipe truncates (TRL's own is None when padding-free)
+    cpu_fsdp: bool = False  # FSDP on a host without accelerator (accelerate alone would fall back to DDP)
+    environment: dict[str, str] = field(default_factory=dict)  # exported before the trainer is built
+    publish_to: str | None = None  # the Hub repo export.publish uploads to at the end (the Trainer never pushes)
+    hub_token: str | None = field(default=None, repr=False)  # kept out of `training`, which is pickled to disk
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def launch(self) -> Launch:
+        return self.facts.launch
+
+    @property
+    def quantized_4bit(self) -> bool:
+        return self.model.use_4bit_quantization
+
+    @property
+    def uses_peft(self) -> bool:
+        return self.model.use_peft_lora
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.training.bf16 else "fp16" if self.training.fp16 else "fp32"
+
+
+def settle(request: Request, facts: Facts) -> Configuration:
+    """The recipe's defaults where the user set nothing, and every setting derived from the facts, each recorded as
+    a Decision. Raises ConfigError for training values TRL refuses."""
+    from trl import SFTConfig
+
+    given, decisions = request.training, []
+    values = {**RECIPE_DEFAULTS, **given}
+
+    def default(key: str, value: Any, why: str) -> None:
+        if key not in given:
+            values[key] = value
+            decisions.append(Decision(key, value, why))
+
+    if not facts.gpu_here:
+        default("use_cpu", True, "no CUDA GPU on this machine (transformers refuses bf16 without a GPU unless told)")
+    device = "GPU" if facts.cuda else "CPU"
+    if given.get("fp16"):
+        default("bf16", False, "--fp16 asked for")
+    else:  # TRL turns bf16 on everywhere; a CPU without it emulates bf16 many times slower than fp32
+        default("bf16", facts.native_bf16, f"the {device} runs bf16 natively" if facts.native_bf16 else
+                f"this {device} has no native bf16: emulated it is many times slower than fp32")
+    if values.get("packing_strategy") == "wrapped":
+        default("padding_free", False, "wrapped packing cuts examples anyway; TRL advises against padding-free there")
+    else:
+        default("padding_free", True, "one row per batch, no pad tokens; attention stays within each example")
+    # `gradient_checkpointing` is the old name of `activation_checkpointing`: a user who sets either decides
+    checkpointing_given = bool({"activation_checkpointing", "gradient_checkpointing"} & set(given))
+    if not checkpointing_given:
+        values["activation_checkpointing"] = False  # TRL turns it on; decided below from the memory plan
+    try:
+        training = SFTConfig(**values)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"invalid training arguments: {err}") from None
+
+    config = Configuration(request.model, request.data, training, facts, decisions=decisions)
+    if not checkpointing_given:
+        decide_activation_checkpointing(config)
+    if training.activation_checkpointing:
+        # transformers 5 picks non-reentrant when no kwargs are given; ZeRO-3 + LoRA needs reentrant
+        training.activation_checkpointing_kwargs = {"use_reentrant": config.model.use_reentrant}
+        decisions.append(Decision("activation_checkpointing_kwargs", training.activation_checkpointing_kwargs,
+                                  "from --use_reentrant"))
+    config.max_length = training.max_length
+    if training.padding_free and not training.packing:
+        training.max_length = None
+        decisions.append(Decision("max_length (TRL)", None, f"padding-free batches: the recipe truncates each example "
+                                  f"to {config.max_length} tokens itself; TRL refuses a length it would not enforce"))
+    config.dtype = load_dtype(config.model, training)
+    config.attention = "flash_attention_2" if config.model.use_flash_attn else ATTENTION
+    decisions.append(Decision("attention", config.attention, "--use_flash_attn" if config.model.use_flash_attn else
+                              "sdpa run once per example of a packed or padding-free row (fast_paths.py)"))
+    if config.quantized_4bit and facts.gpu_here and not facts.launch.sharded:
+        config.device_map = {"": facts.launch.local_rank}
+        decisions.append(Decision("device_map", config.device_map, "bitsandbytes quantizes while placing on the GPU"))
+    config.cpu_fsdp = facts.launch.fsdp and not facts.cuda
+    if config.cpu_fsdp:
+        decisions.append(Decision("FSDP on CPU", True, "accelerate would fall back to DDP without an accelerator; the "
+                                  "recipe keeps FSDP2 over gloo (distributed.CpuFsdpSFTTrainer)"))
+    if training.torch_compile:
+        config.environment, compiled = compile_settings(facts.launch.env)
+        decisions.append(Decision("torch_compile", compiled, "regional compilation for any length, unless the "
+                                  "accelerate config or ACCELERATE_DYNAMO_* says otherwise"))
+    if training.push_to_hub:  # the recipe publishes once, at the end, a folder it has built and checked
+        config.publish_to = training.hub_model_id or Path(training.output_dir).name
+        training.push_to_hub = False
+        decisions.append(Decision("publish to", config.publish_to, "export.publish after the final save, private "
+                                  "unless --hub_private_repo false"))
+    if training.hub_token:  # the Trainer pickles its arguments into every checkpoint (training_args.bin)
+        config.hub_token, training.hub_token = training.hub_token, None
+        decisions.append(Decision("hub_token", "kept out of the training arguments", "they are pickled into every "
+                                  "checkpoint; the token is passed to the loaders and the upload only"))
+    return config
+
+
+def planned_run(config: Configuration):
+    """The memory planner's description of this run."""
+    from memory import Run
+
+    launch, training = config.launch, config.training
+    engine = "fsdp" if launch.fsdp else "deepspeed" if launch.deepspeed else "ddp" if launch.num_processes > 1 else "none"
+    optim = str(getattr(training.optim, "value", training.optim))
+    method = "qlora" if config.quantized_4bit else "lora" if config.uses_peft else "full"
+    offload = launch.fsdp_setting("OFFLOAD_PARAMS") or launch.env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+                                                                      "none") not in ("none", "")
+    strategy = launch.env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+    reshard = launch.env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
+    grad_op = strategy == "SHARD_GRAD_OP" if launch.fsdp_version == 1 else reshard == "false"
+    return Run(method=method, engine=engine, sharding="grad_op" if grad_op else "full",
+               zero_stage=launch.zero_stage or 3, offload=offload, gpus=launch.num_processes,
+               batch=training.per_device_train_batch_size, seq=config.max_length or training.max_length or 1024,
+               checkpointing=bool(training.activation_checkpointing),
+               optimizer="sgd" if optim == "sgd" else "adamw_8bit" if "8bit" in optim else "adamw",
+               lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout,
+               nested_quant=config.model.use_nested_quant, device="cuda" if config.facts.cuda else "cpu",
+               precision="bf16" if training.bf16 or config.quantized_4bit else "fp32")
+
+
+def memory_plan(config: Configuration, **changes):
+    """memory.plan for this run (with `changes` to its planned Run, e.g. checkpointing=False)."""
+    from memory import plan
+
+    return plan(config.facts.shapes, replace(planned_run(config), **changes))
+
+
+def decide_activation_checkpointing(config: Configuration) -> None:
+    """On only if the memory plan without it does not fit the memory the run has (each GPU with the allocator's
+    headroom, or this host's available RAM on CPU): it costs about a third more compute."""
+    from memory import ALLOCATOR_HEADROOM
+
+    facts = config.facts
+    capacity, where = (facts.gpu_gib, "per GPU (with allocator headroom)") if facts.cuda else (
+        facts.host_gib, "of host RAM")
+    if facts.model_config is None or not capacity:
+        decision = Decision("activation_checkpointing", False, "the recipe's default; the memory the run needs or "
+                            "has is unknown here, so the plan could not decide")
+    else:
+        def needed(checkpointing: bool) -> float:
+            p = memory_plan(config, checkpointing=checkpointing)
+            return p.per_gpu_total * ALLOCATOR_HEADROOM if facts.cuda else p.host_total
+
+        without = needed(False)
+        if without <= capacity:
+            decision = Decision("activation_checkpointing", False, f"the memory plan needs {without:.1f} GiB {where} "
+                                f"without it and there are {capacity:.0f} GiB (it costs about a third more compute)")
+        else:
+            config.training.activation_checkpointing = True
+            decision = Decision("activation_checkpointing", True, f"the memory plan needs {without:.1f} GiB {where} "
+                                f"without it, {needed(True):.1f} GiB with it, and there are {capacity:.0f} GiB "
+                                "(--activation_checkpointing false keeps it off)")
+    config.decisions.append(decision)
+
+
+def configure(argv: list[str]) -> Configuration:
+    """parse -> gather -> settle: the configuration `python train.py argv` would run, for scripts and tests."""
+    request = parse_arguments(argv)
+    return settle(request, gather(request))

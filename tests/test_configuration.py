@@ -1,0 +1,123 @@
+"""settle(): the one place that decides. Each recipe default and derived setting, with its reason, from explicit facts
+(so no verdict depends on the machine); an explicit user choice is never overridden; gather() reads the facts."""
+
+import pytest
+from conftest import settled
+
+from arguments import RECIPE_DEFAULTS
+from configuration import gather
+from distributed import Launch
+from memory import load_config
+
+
+def decided(config) -> dict:
+    return {decision.setting: decision for decision in config.decisions}
+
+
+def test_recipe_defaults_apply_where_nothing_is_set_and_each_decision_says_why():
+    config = settled([])
+    training = config.training
+    assert training.learning_rate == RECIPE_DEFAULTS["learning_rate"] and training.hub_private_repo is True
+    assert training.activation_checkpointing is False  # TRL's default is True
+    assert training.padding_free and training.use_cpu
+    decisions = decided(config)
+    assert {"use_cpu", "bf16", "padding_free", "activation_checkpointing", "attention"} <= set(decisions)
+    assert all(decision.why for decision in config.decisions)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_default_follows_the_hardware_fact_and_fp16_replaces_it(native):
+    assert settled([], native_bf16=native).training.bf16 is native
+    assert "natively" in decided(settled([], native_bf16=True))["bf16"].why
+    assert settled(["--fp16", "true"], native_bf16=True, cuda=True).training.bf16 is False
+    assert settled(["--bf16", "false"], native_bf16=True).training.bf16 is False
+    assert "bf16" not in decided(settled(["--bf16", "false"], native_bf16=True))  # the user decided
+
+
+def test_wrapped_packing_turns_the_padding_free_default_off_but_not_an_explicit_choice():
+    wrapped = ["--packing", "true", "--packing_strategy", "wrapped"]
+    assert not settled(wrapped).training.padding_free
+    assert settled([*wrapped, "--padding_free", "true"]).training.padding_free
+    assert settled(["--packing", "true"]).training.padding_free  # bfd packing is padding-free anyway
+
+
+def test_padding_free_batches_are_truncated_by_the_recipe_not_by_trl():
+    config = settled(["--max_length", "128"])
+    assert config.max_length == 128 and config.training.max_length is None
+    packed = settled(["--max_length", "128", "--packing", "true"])
+    assert packed.max_length == packed.training.max_length == 128  # packing cuts its own rows
+
+
+def test_the_memory_plan_decides_activation_checkpointing_when_the_user_did_not():
+    """Llama-2-7B LoRA, 2 x 4096 tokens: about 128 GiB planned with checkpointing off. On one 80 GB GPU it goes on
+    (and says why); on a 141 GB GPU, or at 1 x 2048 tokens (45 GiB), it stays off; unknown GPU memory decides
+    nothing; an explicit flag is never overridden."""
+    # GPUs elsewhere (here=False): this CPU host can still build the SFTConfig a GPU run gets
+    llama = {"cuda": True, "here": False, "model_config": load_config("llama-2-7b")}
+    big = ["--per_device_train_batch_size", "2", "--max_length", "4096", "--bf16", "true"]
+    config = settled(big, gpu_gib=80, **llama)
+    why = decided(config)["activation_checkpointing"].why
+    assert config.training.activation_checkpointing and "without it" in why and "80 GiB" in why
+    assert config.training.activation_checkpointing_kwargs == {"use_reentrant": True}
+    assert not settled(big, gpu_gib=141, **llama).training.activation_checkpointing
+    small = ["--per_device_train_batch_size", "1", "--max_length", "2048", "--bf16", "true"]
+    assert not settled(small, gpu_gib=80, **llama).training.activation_checkpointing
+    unknown = settled(big, gpu_gib=None, **llama)
+    assert not unknown.training.activation_checkpointing and "unknown" in decided(unknown)["activation_checkpointing"].why
+    kept = settled([*big, "--activation_checkpointing", "false"], gpu_gib=80, **llama)
+    assert not kept.training.activation_checkpointing and "activation_checkpointing" not in decided(kept)
+    old_name = settled([*big, "--gradient_checkpointing", "false"], gpu_gib=80, **llama)
+    assert not old_name.training.activation_checkpointing
+
+
+def test_publishing_and_the_token_are_taken_out_of_what_the_trainer_receives():
+    config = settled(["--push_to_hub", "true", "--hub_token", "hf_secret", "--output_dir", "outputs/my-run"])
+    assert config.training.push_to_hub is False and config.publish_to == "my-run"
+    assert config.training.hub_token is None and config.hub_token == "hf_secret"
+    assert "hf_secret" not in " ".join(map(str, config.decisions)) and "hf_secret" not in repr(config)
+    assert settled(["--push_to_hub", "true", "--hub_model_id", "me/x"]).publish_to == "me/x"
+
+
+def test_placement_and_engine_follow_the_launch():
+    qlora = ["--use_4bit_quantization", "true", "--bf16", "false"]  # bf16 on "a GPU" here would be refused on CPU
+    one_gpu = settled(qlora, cuda=True, launch=Launch({"LOCAL_RANK": "1"}))
+    assert one_gpu.device_map == {"": 1}  # bitsandbytes quantizes while placing on this rank's GPU
+    fsdp = Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, 2)
+    assert settled(qlora, cuda=True, launch=fsdp).device_map is None  # FSDP places the weights
+    assert settled([], launch=fsdp).cpu_fsdp and not settled([], cuda=True, launch=fsdp).cpu_fsdp
+    assert str(settled(qlora).dtype) == "torch.bfloat16"  # the bf16 quant storage dtype
+
+
+def test_torch_compile_exports_per_layer_settings_unless_the_launch_sets_them():
+    config = settled(["--torch_compile", "true"])
+    assert config.environment == {"ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true",
+                                  "ACCELERATE_DYNAMO_USE_DYNAMIC": "true"}
+    assert decided(config)["torch_compile"].value == "each decoder layer"
+    whole = settled(["--torch_compile", "true"], launch=Launch({"ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "false"}))
+    assert whole.environment == {"ACCELERATE_DYNAMO_USE_DYNAMIC": "true"}
+    assert decided(whole)["torch_compile"].value == "the whole model"
+
+
+def test_the_native_bf16_switch_overrides_the_probe(monkeypatch):
+    from utils import native_bf16_supported
+
+    for value, expected in (("0", False), ("1", True)):
+        monkeypatch.setenv("RECIPE_NATIVE_BF16", value)
+        assert native_bf16_supported() is expected
+    monkeypatch.setenv("RECIPE_NATIVE_BF16", "maybe")
+    with pytest.raises(ValueError, match="RECIPE_NATIVE_BF16"):
+        native_bf16_supported()
+
+
+def test_gather_reads_the_model_the_tokenizer_and_the_switch(tiny_model_dir, monkeypatch):
+    from arguments import parse_arguments
+
+    monkeypatch.setenv("RECIPE_NATIVE_BF16", "0")
+    facts = gather(parse_arguments(["--model_name_or_path", str(tiny_model_dir)]))
+    assert facts.here and not facts.native_bf16 and facts.model_config.num_hidden_layers == 2
+    assert facts.tokenizer is not None and facts.added_token_ids == [] and facts.host_gib > 0
+    missing = gather(parse_arguments(["--model_name_or_path", str(tiny_model_dir / "nothing")]))
+    assert missing.model_config is None and missing.tokenizer is None
+    elsewhere = gather(parse_arguments(["--accelerate_config", "configs/fsdp2_config.yaml", "--model_name_or_path",
+                                        str(tiny_model_dir)]))
+    assert not elsewhere.here and elsewhere.cuda and elsewhere.native_bf16 and elsewhere.launch.fsdp

@@ -1,0 +1,343 @@
+"""The training data: loading, bad examples named by file and line, tokenization with loss masks, and what packing and
+padding-free batches need before TRL sees the data.
+
+- Sources: a Hub dataset (offline: from the cache), a folder of `train`/`test`/`validation` files (`.jsonl`, `.json`,
+  `.csv`, `.parquet`), a single such file (train only), or a `save_to_disk` folder.
+- Formats: conversational (`messages`), prompt/completion, plain text. Chat data is supervised on the assistant turns
+  only, with any chat template: the turns are located by rendering each conversation's prefixes.
+- Bad data is reported loudly: every malformed example is named by file and line (or row) with what is wrong. The run
+  stops before any weights load (`--bad_examples stop`), or leaves them out and counts them by reason (`skip`).
+
+Every function takes plain values (paths, split names, a tokenizer, lengths), so tests call them directly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+IGNORE_INDEX = -100  # labels the loss skips
+ORIGIN = "_origin"  # column holding "file:line" (or "source[row N]") for every example until tokenization
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+@dataclass(frozen=True)
+class BadExample:
+    origin: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.origin}: {self.reason}"
+
+
+class DataError(ValueError):
+    """Bad examples under --bad_examples stop."""
+
+    def __init__(self, bad: list[BadExample], total: int):
+        shown = "\n  ".join(str(b) for b in bad[:20])
+        more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+        super().__init__(f"{len(bad)} of {total} examples are malformed:\n  {shown}{more}\nFix the data, or pass "
+                         "--bad_examples skip to train without them (they are counted and reported).")
+        self.bad = bad
+
+
+def read_json_records(path: Path) -> tuple[list[dict], list[BadExample]]:
+    """A .jsonl file line by line (or a .json list), so each problem has its line number."""
+    raw = path.read_bytes()
+    records, bad = [], []
+    if path.suffix == ".json" and raw.lstrip()[:1] == b"[":
+        try:
+            rows = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            return [], [BadExample(f"{path.name}", f"not valid JSON: {err}")]
+        return [{**row, ORIGIN: f"{path.name}[{i}]"} if isinstance(row, dict) else row
+                for i, row in enumerate(rows)], []
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        origin = f"{path.name}:{number}"
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            bad.append(BadExample(origin, f"not UTF-8 text (byte {err.start}: {line[err.start:err.start + 1]!r})"))
+            continue
+        except json.JSONDecodeError as err:
+            bad.append(BadExample(origin, f"not valid JSON ({err.msg} at column {err.colno})"))
+            continue
+        if not isinstance(row, dict):
+            bad.append(BadExample(origin, f"a JSON {type(row).__name__}, not an object"))
+            continue
+        records.append({**row, ORIGIN: origin})
+    return records, bad
+
+
+def check_messages(messages, where: str) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return f"{where} is not a non-empty list of messages"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            return f"{where}[{i}] lacks a role or content"
+        if message["role"] not in ROLES:
+            return f"{where}[{i}] has unknown role {message['role']!r} (use {', '.join(sorted(ROLES))})"
+        if not isinstance(message["content"], str):
+            return f"{where}[{i}] content is not text"
+    return None
+
+
+def check_example(row: dict, data_format: str, text_field: str) -> str | None:
+    """What is wrong with one raw example, or None."""
+    if data_format == "conversational":
+        problem = check_messages(row.get("messages"), "messages")
+        if problem:
+            return problem
+        answers = [m for m in row["messages"] if m["role"] == "assistant"]
+        if not answers:
+            return "no assistant turn: nothing to learn from"
+        if any(not m["content"].strip() for m in answers):
+            return "an empty assistant turn"
+        return None
+    if data_format == "prompt_completion":
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if isinstance(prompt, list) or isinstance(completion, list):
+            return check_messages(prompt, "prompt") or check_messages(completion, "completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            return "prompt or completion is missing or not text"
+        return None if completion.strip() else "an empty completion"
+    text = row.get(text_field)
+    if not isinstance(text, str) or not text.strip():
+        return f"{text_field!r} is missing, empty or not text"
+    return None
+
+
+def too_long(example: dict, max_length: int | None) -> str | None:
+    """An example whose supervised tokens would be cut off by truncation to max_length."""
+    if not max_length or len(example["input_ids"]) <= max_length:
+        return None
+    last_supervised = max(i for i, label in enumerate(example["labels"]) if label != IGNORE_INDEX)
+    if last_supervised < max_length:
+        return None
+    return f"{len(example['input_ids'])} tokens, longer than --max_length {max_length}: its answer would be cut"
+
+
+def summarize(bad: list[BadExample]) -> str:
+    reasons = Counter(b.reason.split(" (")[0].split(":")[0] for b in bad)
+    return ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
+
+
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _read_split(source: Path, split: str, dataset_name: str, token: str | None = None):
+    """One split as JSON records (local .json/.jsonl: read line by line, so problems have line numbers) or as a
+    Dataset (CSV, Parquet, save_to_disk folders, the Hub), plus the lines that could not be parsed."""
+    from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+    if source.is_file():
+        if source.suffix not in DATA_SUFFIXES:
+            raise ValueError(f"{source} is not a {', '.join(DATA_SUFFIXES)} file; convert it to one of those.")
+        file = source
+    elif source.is_dir():
+        if (source / "dataset_dict.json").is_file() or (source / "dataset_info.json").is_file():
+            saved = load_from_disk(str(source))
+            saved = DatasetDict(train=saved) if isinstance(saved, Dataset) else saved
+            if split not in saved:
+                raise ValueError(f"{source} has splits {list(saved)}, not {split}; adjust --splits.")
+            return saved[split], []
+        if (source / split / "dataset_info.json").is_file():  # the reference recipe's layout: one folder a split
+            return load_from_disk(str(source / split)), []
+        files = [source / f"{split}{suffix}" for suffix in DATA_SUFFIXES if (source / f"{split}{suffix}").is_file()]
+        if not files:
+            raise ValueError(f"{source} has no {split}.jsonl/.json/.csv/.parquet file; add it or adjust --splits.")
+        file = files[0]
+    else:  # a Hub dataset; offline this reads the local cache
+        return load_dataset(dataset_name, split=split, token=token), []
+    if DATA_SUFFIXES[file.suffix] == "json":
+        return read_json_records(file)
+    return load_dataset(DATA_SUFFIXES[file.suffix], data_files=str(file), split="train"), []
+
+
+def load_splits(dataset_name: str, splits: list[str], text_field: str = "text", token: str | None = None):
+    """The requested splits, checked example by example.
+
+    Returns a DatasetDict (only the columns the format needs, plus each example's origin "file:line"), the bad
+    examples found (unparseable lines, wrong structure, unknown roles, empty answers), and the data format."""
+    from datasets import Dataset, DatasetDict
+
+    source = Path(dataset_name).expanduser()
+    if source.is_file() and splits != ["train"]:
+        raise ValueError(f"{source} is a single file, read as the train split; pass --splits train, or point "
+                         "--dataset_name to a folder holding train.jsonl and test.jsonl.")
+    out, bad, data_format = DatasetDict(), [], None
+    for split in splits:
+        rows, unreadable = _read_split(source, split, dataset_name, token)
+        bad += unreadable
+        if isinstance(rows, Dataset):
+            name = source.name or dataset_name
+            rows = [{**row, ORIGIN: f"{name}:{split}[row {i}]"} for i, row in enumerate(rows)]
+        if data_format is None:
+            keys = sorted({key for row in rows[:100] for key in row} - {ORIGIN})
+            data_format = detect_format(keys, text_field)
+        columns = {"conversational": ["messages"], "prompt_completion": ["prompt", "completion"],
+                   "text": [text_field]}[data_format]
+        good = []
+        for row in rows:
+            problem = check_example(row, data_format, text_field)
+            if problem:
+                bad.append(BadExample(row[ORIGIN], problem))
+                continue
+            if data_format == "conversational":  # role and content only: extra keys may differ in type per row
+                row = {**row, "messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]}
+            good.append({key: row[key] for key in (*columns, ORIGIN)})
+        if not good:
+            raise ValueError(f"the {split} split has no usable example ({len(rows)} read); "
+                             + (f"first problem: {bad[0]}" if bad else "it is empty"))
+        out[split] = Dataset.from_list(good)
+    return out, bad, data_format
+
+
+def detect_format(column_names: list[str], text_field: str) -> str:
+    """conversational (`messages`), prompt_completion (`prompt` + `completion`), or text (`text_field`)."""
+    if "messages" in column_names:
+        return "conversational"
+    if "prompt" in column_names and "completion" in column_names:
+        return "prompt_completion"
+    if text_field in column_names:
+        return "text"
+    raise ValueError(
+        f"the dataset has columns {column_names}, none of which the recipe reads; give it a `messages` column (chat), "
+        f"`prompt` and `completion` columns, or a text column named by --dataset_text_field (now {text_field!r})."
+    )
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def chat_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Render a conversation and return it with the character spans of the assistant turns (the supervised text).
+
+    Works with any chat template that renders a conversation's prefix as a prefix of the whole: each assistant turn
+    starts where the prompt up to it (with the generation prompt) ends, and ends after its end-of-turn token."""
+    text = _render(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = len(_render(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
+        rendered_through = _render(tokenizer, messages[: i + 1])
+        if not text.startswith(rendered_through) or start > len(rendered_through):
+            raise ValueError("the chat template renders a conversation's beginning differently from the whole "
+                             "conversation, so assistant turns cannot be located; use --chat_template_format chatml.")
+        end = len(rendered_through)
+        # Stop supervision after the end-of-turn token: what follows it (a newline) is the template's, not the model's
+        eos = tokenizer.eos_token
+        if eos and eos in text[start:end]:
+            end = text.rindex(eos, start, end) + len(eos)
+        spans.append((start, end))
+    return text, spans
+
+
+def tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]], add_special_tokens: bool) -> dict:
+    """Token ids of `text` and labels that keep only tokens starting inside a supervised span."""
+    encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    labels = []
+    for token_id, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+        supervised = end > start and any(a <= start < b for a, b in spans)
+        labels.append(token_id if supervised else IGNORE_INDEX)
+    return {"input_ids": encoded["input_ids"], "labels": labels}
+
+
+def tokenize_example(example: dict, tokenizer, data_format: str, text_field: str,
+                     add_special_tokens: bool, append_concat_token: bool) -> dict:
+    eos = tokenizer.eos_token if append_concat_token else ""
+    if data_format == "conversational":
+        text, spans = chat_spans(tokenizer, example["messages"])
+        return tokenize_with_spans(tokenizer, text, spans, add_special_tokens=False)
+    if data_format == "prompt_completion":
+        prompt, completion = example["prompt"], example["completion"]
+        if isinstance(prompt, list):  # conversational prompt/completion: the template renders both
+            text, spans = chat_spans(tokenizer, prompt + completion)
+            spans = [span for span in spans if span[0] >= len(_render(tokenizer, prompt, add_generation_prompt=True))]
+            return tokenize_with_spans(tokenizer, text, spans, add_special_tokens=False)
+        text = prompt + completion + (eos if not completion.endswith(eos) else "")
+        return tokenize_with_spans(tokenizer, text, [(len(prompt), len(text))], add_special_tokens)
+    text = example[text_field]
+    text = text + (eos if not text.endswith(eos) else "")
+    return tokenize_with_spans(tokenizer, text, [(0, len(text))], add_special_tokens)
+
+
+def tokenize_splits(raw, data_format: str, tokenizer, *, max_length: int | None, truncate: bool,
+                    text_field: str = "text", add_special_tokens: bool = False,
+                    append_concat_token: bool = True) -> tuple[dict, list[BadExample]]:
+    """Tokenize every split into `input_ids` + `labels`, and cut examples to `max_length` where `truncate` (padding-free
+    batches: TRL refuses to truncate them; packing cuts its own rows, so it passes False).
+
+    Returns the tokenized splits (with each example's origin) and the examples whose answer truncation to max_length
+    would cut, as bad examples."""
+    if data_format == "conversational" and (add_special_tokens or not append_concat_token):
+        raise ValueError("--add_special_tokens / --append_concat_token apply to text and prompt/completion data; chat "
+                         "data takes its special and end-of-turn tokens from the chat template. Drop these flags, or "
+                         "choose the template with --chat_template_format.")
+    tokenized, bad = {}, []
+    for split, dataset in raw.items():
+        dataset = dataset.map(
+            tokenize_example,
+            fn_kwargs=dict(tokenizer=tokenizer, data_format=data_format, text_field=text_field,
+                           add_special_tokens=add_special_tokens, append_concat_token=append_concat_token),
+            remove_columns=[c for c in dataset.column_names if c != ORIGIN],
+            desc=f"Tokenizing {split}",
+        )
+        longest = 0
+        for example in dataset:
+            longest = max(longest, len(example["input_ids"]))
+            if problem := too_long(example, max_length):
+                bad.append(BadExample(example[ORIGIN], problem))
+        if truncate and max_length and longest > max_length:
+            dataset = dataset.map(truncate_example, fn_kwargs={"max_length": max_length}, desc=f"Truncating {split}")
+        tokenized[split] = dataset
+    return tokenized, bad
+
+
+def truncate_example(example: dict, max_length: int) -> dict:
+    return {"input_ids": example["input_ids"][:max_length], "labels": example["labels"][:max_length]}
+
+
+def drop_bad(tokenized: dict, bad: list) -> dict:
+    """Leave the bad examples out (--bad_examples skip); returns the remaining splits without the origin column."""
+    origins = {b.origin for b in bad}
+    return {split: dataset.filter(lambda example: example[ORIGIN] not in origins).remove_columns(ORIGIN)
+            for split, dataset in tokenized.items()}
+
+
+def token_counts(dataset) -> dict:
+    labels = dataset["labels"]
+    return {"examples": len(labels), "tokens": sum(len(x) for x in labels),
+            "supervised_tokens": sum(sum(1 for t in x if t != IGNORE_INDEX) for x in labels)}
+
+
+@dataclass
+class TrainingData:
+    raw: Any  # the checked, untokenized splits (held-out prompts come from here)
+    datasets: dict  # the tokenized splits, bad examples left out
+    data_format: str
+    counts: dict  # examples, tokens and supervised tokens of the train split
+    skipped: list[BadExample]  # bad examples left out (--bad_examples skip)
+
+
+def prepare(dataset_name: str, splits: list[str], tokenizer, *, max_length: int | None, truncate: bool,
+            bad_examples: str = "stop", text_field: str = "text", add_special_tokens: bool = False,
+            append_concat_token: bool = True, token: str | None = None) -> TrainingData:
+    """Load, check and tokenize. Raises DataError naming every bad example under `bad_examples="stop"`, ValueError
+    for a source or format problem."""
+    raw, bad, data_format = load_splits(dataset_name, splits, text_field, token)
+    tokenized, cut = tokenize_splits(raw, data_format, tokenizer, max_length=max_length, truncate=truncate,
+                                     text_field=text_field, add_special_tokens=add_special_tokens,
+                                     append_concat_token=append_concat_token)
+    bad += cut
+    if bad and bad_examples == "stop":
+        raise DataError(bad, sum(len(split) for split in raw.values()) + len(bad) - len(cut))
+    datasets = drop_bad(tokenized, bad)
+    return TrainingData(raw, datasets, data_format, token_counts(datasets["train"]), bad)
