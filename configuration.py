@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from arguments import RECIPE_DEFAULTS, ConfigError, DataArguments, ModelArguments, Request, parse_arguments
@@ -97,9 +98,11 @@ def gather(request: Request) -> Facts:
     gpu_gib = request.gpu_gib
     if gpu_gib is None and here and cuda:
         gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
-    import psutil
-
-    facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16_supported() if here else True,
+    try:
+        native_bf16 = native_bf16_supported() if here else True
+    except ValueError as err:  # a RECIPE_NATIVE_BF16 value it does not know
+        raise ConfigError(str(err)) from None
+    facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16,
                   flash_attn=is_flash_attn_installed(), gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB,
                   threads=torch.get_num_threads(),
                   model_config=read_model_config(model.model_name_or_path, trust, token))

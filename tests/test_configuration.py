@@ -4,7 +4,7 @@
 import pytest
 from conftest import settled
 
-from arguments import RECIPE_DEFAULTS
+from arguments import RECIPE_DEFAULTS, ConfigError
 from configuration import gather
 from distributed import Launch
 from memory import load_config
@@ -121,3 +121,6 @@ def test_gather_reads_the_model_the_tokenizer_and_the_switch(tiny_model_dir, mon
     elsewhere = gather(parse_arguments(["--accelerate_config", "configs/fsdp2_config.yaml", "--model_name_or_path",
                                         str(tiny_model_dir)]))
     assert not elsewhere.here and elsewhere.cuda and elsewhere.native_bf16 and elsewhere.launch.fsdp
+    monkeypatch.setenv("RECIPE_NATIVE_BF16", "yes")
+    with pytest.raises(ConfigError, match="use 0 .* or 1"):  # train.py prints it as one error line
+        gather(parse_arguments(["--model_name_or_path", str(tiny_model_dir)]))

@@ -126,12 +126,15 @@ def test_rotation_keeps_the_limit_the_newest_and_the_resumed_one(tmp_path):
 
 @pytest.mark.e2e
 def test_output_dir_with_another_run_is_kept_unless_asked(tiny_model_dir, chat_dir, tmp_path):
+    import train
+
     out = tmp_path / "run"
-    finish(recipe(tiny_model_dir, chat_dir, out, 2))
+    train.run(recipe(tiny_model_dir, chat_dir, out, 2))
     again = subprocess.run([sys.executable, "train.py", *recipe(tiny_model_dir, chat_dir, out, 2)], cwd=REPO_DIR,
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300)  # the real command: exit code and message
     assert again.returncode == 2 and "already holds a run" in again.stderr and "--overwrite_output_dir" in again.stderr
-    finish([*recipe(tiny_model_dir, chat_dir, out, 2), "--overwrite_output_dir", "true"])
+    trainer, _ = train.run([*recipe(tiny_model_dir, chat_dir, out, 2), "--overwrite_output_dir", "true"])
+    assert trainer.state.global_step == 2
 
 
 @pytest.mark.e2e
