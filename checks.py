@@ -274,14 +274,15 @@ def single_process_generation(s: Configuration) -> Problem | None:
 
 
 def added_tokens_under_fsdp(s: Configuration) -> Problem | None:
-    if not (len(s.facts.added_token_ids) and s.launch.fsdp):
+    added = len(s.facts.added_token_ids)
+    if not (added and s.launch.fsdp):
         return None
     if s.launch.fsdp_version == 1 and not s.launch.fsdp_setting("USE_ORIG_PARAMS"):
-        return Problem("warning", f"the chat template adds {len(s.facts.added_token_ids)} tokens under FSDP1 with use_orig_params "
+        return Problem("warning", f"the chat template adds {added} tokens under FSDP1 with use_orig_params "
                        "false", "their trainable rows live inside the frozen embedding's unit, which FSDP1 cannot "
                        "flatten", "keep the tokenizer's own template or one it has tokens for (zephyr), or use FSDP2")
     if s.quantized_4bit:
-        return Problem("warning", f"the chat template adds {len(s.facts.added_token_ids)} tokens to a 4-bit model under FSDP",
+        return Problem("warning", f"the chat template adds {added} tokens to a 4-bit model under FSDP",
                        "the embeddings are resized on the meta device on ranks > 0, so the new rows start random",
                        "prefer a template the tokenizer has tokens for (zephyr); the new rows are trained either way")
     return None
@@ -339,12 +340,12 @@ def memory_fit(s: Configuration) -> Problem | None:
         return None
     from memory import ALLOCATOR_HEADROOM
 
-    needed = memory_plan(s).per_gpu_total
-    if needed * ALLOCATOR_HEADROOM <= s.facts.gpu_gib:
+    needed, gpu_gib = memory_plan(s).per_gpu_total, s.facts.gpu_gib
+    if needed * ALLOCATOR_HEADROOM <= gpu_gib:
         return None
     return Problem("warning", f"the memory plan needs about {needed:.1f} GiB per GPU ({needed * ALLOCATOR_HEADROOM:.1f} "
-                   f"GiB with allocator headroom), the GPUs have {s.facts.gpu_gib:.0f} GiB", "the run would likely go out "
-                   "of memory", "lower --per_device_train_batch_size or --max_length, turn on "
+                   f"GiB with allocator headroom), the GPUs have {gpu_gib:.0f} GiB", "the run would likely go out of "
+                   "memory", "lower --per_device_train_batch_size or --max_length, turn on "
                    "--activation_checkpointing, add GPUs, or offload (see `python memory.py --help`)")
 
 

@@ -23,9 +23,8 @@ from arguments import RECIPE_DEFAULTS, ConfigError, DataArguments, ModelArgument
 from distributed import Launch, launch_environment
 from fast_paths import ATTENTION, compile_settings
 from utils import DEFAULT_MODEL_DIR, build_tokenizer, convert_default_model, gguf_source, is_flash_attn_installed
+from memory import GIB
 from utils import load_dtype, native_bf16_supported
-
-GIB = 2**30
 
 
 @dataclass
@@ -102,9 +101,8 @@ def gather(request: Request) -> Facts:
         native_bf16 = native_bf16_supported() if here else True
     except ValueError as err:  # a RECIPE_NATIVE_BF16 value it does not know
         raise ConfigError(str(err)) from None
-    facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16,
-                  flash_attn=is_flash_attn_installed(), gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB,
-                  threads=torch.get_num_threads(),
+    facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16, flash_attn=is_flash_attn_installed(),
+                  gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
                   model_config=read_model_config(model.model_name_or_path, trust, token))
     if facts.model_config is not None:
         try:
@@ -238,7 +236,8 @@ def planned_run(config: Configuration):
     from memory import Run
 
     launch, training = config.launch, config.training
-    engine = "fsdp" if launch.fsdp else "deepspeed" if launch.deepspeed else "ddp" if launch.num_processes > 1 else "none"
+    engine = ("fsdp" if launch.fsdp else "deepspeed" if launch.deepspeed else
+              "ddp" if launch.num_processes > 1 else "none")
     optim = str(getattr(training.optim, "value", training.optim))
     method = "qlora" if config.quantized_4bit else "lora" if config.uses_peft else "full"
     offload = launch.fsdp_setting("OFFLOAD_PARAMS") or launch.env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",

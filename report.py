@@ -104,7 +104,7 @@ TRAINING_KEYS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_d
 
 def write_run_report(out_dir: Path, arguments: dict, results: dict, log_history: list[dict], hardware: str,
                      decisions: list[dict]) -> dict:
-    """run_summary.json (with what configuration.settle decided, and why) and training_curves.png in the output folder."""
+    """run_summary.json (with what configuration.settle decided, and why) and training_curves.png in `out_dir`."""
     import datetime
 
     plot = plot_history(log_history, Path(out_dir) / PLOT_FILE)

@@ -75,7 +75,8 @@ def run(argv: list[str]):
         for prompt, reference, prediction in list(zip(heldout.prompts, heldout.references, predictions))[:3]:
             log(f"  {prompt[-1]['content'] if isinstance(prompt, list) else prompt!r} -> {prediction!r} "
                 f"(reference {reference!r})")
-        log(f"held-out exact match: {summary['exact_match_before']:.1%} before, {summary['exact_match_after']:.1%} after")
+        log(f"held-out exact match: {summary['exact_match_before']:.1%} before, "
+            f"{summary['exact_match_after']:.1%} after")
     summary["seconds"] = time.time() - started
     if trainer.accelerator.is_main_process:
         write_report(config, trainer, summary)

@@ -20,8 +20,8 @@ from utils import REPO_DIR
 
 
 def recipe(model_dir, data_dir, out, steps=8, *extra):
-    return tiny_run_args(model_dir, data_dir, out, "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps",
-                         "2", "--splits", "train", "--learning_rate", "1e-2", *extra)
+    return tiny_run_args(model_dir, data_dir, out, "--max_steps", str(steps), "--save_strategy", "steps",
+                         "--save_steps", "2", "--splits", "train", "--learning_rate", "1e-2", *extra)
 
 
 def start(argv, launcher=()):
