@@ -94,12 +94,14 @@ def matmul_seconds(products: list[tuple[tuple, bool, int]], dtype: torch.dtype, 
     return total
 
 
-def data_shape(data_dir: Path) -> dict:
-    """Supervised fraction and token-weighted mean example length of the train split, as the recipe tokenizes it."""
+def data_shape(data_dir: Path, model: str | Path | None = None) -> dict:
+    """Supervised fraction and token-weighted mean example length of the train split, as the recipe tokenizes it with
+    `model`'s tokenizer (the default model's when None)."""
     from configuration import configure
     from training_data import prepare
 
-    config = configure(["--dataset_name", str(data_dir), "--splits", "train"])
+    config = configure(["--dataset_name", str(data_dir), "--splits", "train",
+                        *(["--model_name_or_path", str(model)] if model else [])])
     labels = prepare(str(data_dir), ["train"], config.facts.tokenizer, max_length=config.max_length,
                      truncate=True).datasets["train"]["labels"]
     lengths = [len(x) for x in labels]

@@ -38,25 +38,35 @@ SHAPES = {
 DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
 METHODS = {"lora": [], "qlora": ["--use_4bit_quantization", "true"], "lora-compile": ["--torch_compile", "true"]}
 
-def random_model(shape: str, work: Path) -> Path:
-    """A checkpoint of the shape with random weights and SmolLM2's tokenizer (its ids fit any larger vocabulary)."""
+def recipe_tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer files: the converted default model's, or those files alone (bench/gpu_check.py carries them
+    to a GPU machine instead of the 98 MB GGUF package)."""
+    from utils import DEFAULT_MODEL_DIR, convert_default_model
+
+    folder = Path(DEFAULT_MODEL_DIR)
+    return folder if (folder / "tokenizer.json").is_file() else convert_default_model()
+
+
+def random_model(shape: str, work: Path, config: dict | None = None) -> Path:
+    """A checkpoint of the shape (or of `config`, named `shape`) with random weights and SmolLM2's tokenizer (its ids
+    fit any larger vocabulary)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from memory import PRESETS
-    from utils import convert_default_model
 
     out = work / f"random-{shape}"
     if (out / "config.json").is_file():
         return out
-    tokenizer = AutoTokenizer.from_pretrained(convert_default_model())
-    config = LlamaConfig(**PRESETS.get(shape, {}), **SHAPES[shape], tie_word_embeddings=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    tokenizer = AutoTokenizer.from_pretrained(recipe_tokenizer_dir())
+    values = config or {**PRESETS.get(shape, {}), **SHAPES[shape]}
+    config = LlamaConfig(**values, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    del model
     return out
 
 
@@ -91,6 +101,51 @@ def planned_70b_qlora_gib(seq: int) -> float:
     return plan(Shapes.of(load_config("llama-2-70b")), run).per_gpu_total
 
 
+def measure(shape: str, steps: int, batch: int, seq: int, methods: list[str], work: Path) -> dict:
+    """Each method's run of train.py on a random model of `shape`, with MFU against the datasheet and the measured
+    peak; the 70B QLoRA one-GPU plan beside them."""
+    from benchmark import data_shape, flops_per_token, matmul_peak_gflops, prompt_completion_copy
+    from utils import native_bf16_supported
+
+    model_dir = random_model(shape, work)
+    data = prompt_completion_copy(REPO / "data" / "dates", work / "dates-prompt-completion")
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    datasheet = next((peak for name, peak in DATASHEET_BF16_TFLOPS.items() if name in device), None)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    # In the dtype the runs train in: bf16 on a GPU, the recipe's choice on CPU (fp32 where bf16 would be emulated)
+    dtype = torch.bfloat16 if native_bf16_supported() else torch.float32
+    scale = 0.25 if shape == "tiny" else 1.0  # the tiny shape only runs the code path
+    measured = matmul_peak_gflops(dtype, os.cpu_count() or 1, device_type, scale) / 1e3  # TFLOP/s
+    per_token = flops_per_token(str(model_dir), 16, data_shape(data, model_dir))
+    results = {}
+    for method in methods:
+        results[method] = row = train(model_dir, data, work, method, steps, batch, seq)
+        achieved = per_token * (row["steady_tokens_per_s"] or row["tokens_per_s"]) / 1e12
+        row["mfu_datasheet"] = achieved / datasheet if datasheet else None
+        row["mfu_measured_peak"] = achieved / measured
+    return {"date": time.strftime("%Y-%m-%d"), "device": device, "shape": shape, "steps": steps, "batch": batch,
+            "seq": seq, "flops_per_token": per_token, "datasheet_tflops": datasheet, "measured_tflops": measured,
+            "measured_dtype": str(dtype), "results": results,
+            "planned_70b_qlora_one_gpu_gib": planned_70b_qlora_gib(seq)}
+
+
+def summary_lines(m: dict) -> list[str]:
+    lines = [f"{m['date']}, {m['device']}; {m['shape']} (random weights), LoRA r=16 all-linear, {m['batch']} x "
+             f"{m['seq']} packed tokens, {m['steps']} steps; {m['flops_per_token'] / 1e9:.3g} GFLOP per trained token; "
+             f"peak: datasheet bf16 {m['datasheet_tflops'] or 'unknown'} TFLOP/s, measured {m['measured_tflops']:.3g} "
+             f"TFLOP/s in {m['measured_dtype']}"]
+    for method, row in m["results"].items():
+        mfu = f"{row['mfu_datasheet']:.0%}" if row["mfu_datasheet"] is not None else "n/a"
+        steady = f"{row['steady_tokens_per_s']:.0f}" if row["steady_tokens_per_s"] else "n/a"
+        lines.append(f"{method:12s} {row['attention']}: {row['tokens_per_s']:9.0f} tokens/s ({steady} after the first "
+                     f"step, which took {row['first_step_seconds']:.1f} s) {row['s_per_step']:6.2f} s/step  MFU {mfu} "
+                     f"(of measured peak {row['mfu_measured_peak']:.0%})  GPU {row['gpu_allocated_gib']:.1f} GiB "
+                     f"allocated, {row['gpu_reserved_gib']:.1f} reserved; RSS {row['peak_rss_gib']:.1f} GiB")
+    lines.append(f"Llama-2-70B QLoRA on one GPU, 1 x {m['seq']} tokens, checkpointing: "
+                 f"{m['planned_70b_qlora_one_gpu_gib']:.1f} GiB allocated, planned by memory.py (not run)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
@@ -101,46 +156,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "gpu_benchmark.json"))
     parser.add_argument("--work", default=str(REPO / "outputs" / "bench"), help="checkpoint and run folders")
     args = parser.parse_args()
-
-    from benchmark import data_shape, flops_per_token, matmul_peak_gflops, prompt_completion_copy
-    from utils import native_bf16_supported
-
-    work = Path(args.work)
-    model_dir = random_model(args.shape, work)
-    data = prompt_completion_copy(REPO / "data" / "dates", work / "dates-prompt-completion")
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    datasheet = next((peak for name, peak in DATASHEET_BF16_TFLOPS.items() if name in device), None)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    # In the dtype the runs train in: bf16 on a GPU, the recipe's choice on CPU (fp32 where bf16 would be emulated)
-    dtype = torch.bfloat16 if native_bf16_supported() else torch.float32
-    scale = 0.25 if args.shape == "tiny" else 1.0  # the tiny shape only runs the code path
-    measured = matmul_peak_gflops(dtype, os.cpu_count() or 1, device_type, scale) / 1e3  # TFLOP/s
-    per_token = flops_per_token(str(model_dir), 16, data_shape(data))
-    results = {}
-    for method in args.methods.split(","):
-        results[method] = row = train(model_dir, data, work, method, args.steps, args.batch, args.seq)
-        achieved = per_token * (row["steady_tokens_per_s"] or row["tokens_per_s"]) / 1e12
-        row["mfu_datasheet"] = achieved / datasheet if datasheet else None
-        row["mfu_measured_peak"] = achieved / measured
-    print(f"\n{time.strftime('%Y-%m-%d')}, {device}; {args.shape} (random weights), LoRA r=16 all-linear, "
-          f"{args.batch} x {args.seq} packed tokens, {args.steps} steps; {per_token / 1e9:.3g} GFLOP per trained "
-          "token; "
-          f"peak: datasheet bf16 {datasheet or 'unknown'} TFLOP/s, measured {measured:.3g} TFLOP/s in {dtype}")
-    for method, row in results.items():
-        mfu = f"{row['mfu_datasheet']:.0%}" if row["mfu_datasheet"] is not None else "n/a"
-        steady = f"{row['steady_tokens_per_s']:.0f}" if row["steady_tokens_per_s"] else "n/a"
-        print(f"{method:12s} {row['tokens_per_s']:9.0f} tokens/s ({steady} after the first step, which took "
-              f"{row['first_step_seconds']:.1f} s) {row['s_per_step']:6.2f} s/step  MFU {mfu} "
-              f"(of measured peak {row['mfu_measured_peak']:.0%})  GPU {row['gpu_allocated_gib']:.1f} GiB allocated, "
-              f"{row['gpu_reserved_gib']:.1f} reserved; RSS {row['peak_rss_gib']:.1f} GiB")
-    planned = planned_70b_qlora_gib(args.seq)
-    print(f"Llama-2-70B QLoRA on one GPU, 1 x {args.seq} tokens, checkpointing: {planned:.1f} GiB allocated, "
-          "planned by memory.py (not run)")
-    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": device, "shape": args.shape,
-                                          "steps": args.steps, "batch": args.batch, "seq": args.seq,
-                                          "flops_per_token": per_token, "datasheet_tflops": datasheet,
-                                          "measured_tflops": measured, "results": results,
-                                          "planned_70b_qlora_one_gpu_gib": planned}, indent=2))
+    measured = measure(args.shape, args.steps, args.batch, args.seq, args.methods.split(","), Path(args.work))
+    print("\n" + "\n".join(summary_lines(measured)))
+    Path(args.out).write_text(json.dumps(measured, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Runs train.py's recipe in each process of a multi-process launch, then records what the test checks: how the
-model was sharded, the loss history, and the logits of the trained sharded model. Not a copy of the recipe:
-`train.run` is the same call `python train.py` makes."""
+"""Runs train.py's recipe in each process of a launch, then records what the tests (and bench/gpu_check.py, one process
+per shipped config on a GPU) check: how the model was sharded, the loss history, and the logits of the trained sharded
+model. Not a copy of the recipe: `train.run` is the same call `python train.py` makes."""
 
 import json
 import os
@@ -32,11 +32,11 @@ def main() -> None:
                    for name, p in model.named_parameters()},
         "log_history": trainer.state.log_history,
     }
-    batch = trainer.processing_class([PROBE], return_tensors="pt")
+    batch = trainer.processing_class([PROBE], return_tensors="pt").to(trainer.accelerator.device)
     with torch.no_grad():
         logits = model.eval()(**batch).logits  # every rank takes part in the sharded forward
     if rank == 0:
-        torch.save(logits.float(), out / "sharded_logits.pt")
+        torch.save(logits.float().cpu(), out / "sharded_logits.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
 
