@@ -67,6 +67,8 @@ def random_model(shape: str, work: Path, config: dict | None = None) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the runs are other processes: hand the GPU memory back
     return out
 
 

@@ -46,9 +46,9 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
              "manylinux2014_x86_64", "manylinux1_x86_64"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 CARRY_LIMIT_MIB = 64  # what the device tool carries: the working tree (tracked files) and .gpu_check together
-# About 1.1B parameters (TinyLlama's shape): every launcher's path in seconds per step
+# TinyLlama's 1.1B shape with SmolLM2's vocabulary (the tokenizer's ids must fit): every launcher's path in seconds
 LAUNCHER_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+                      num_key_value_heads=4, vocab_size=49152, max_position_embeddings=2048)
 TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048)
 LAUNCHERS = {  # name: (accelerate config, extra train.py flags)
