@@ -45,11 +45,15 @@ OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd": 0}
 
 
 def meta_model(config):
-    """The model's module tree with parameters on the meta device (shapes only; any size builds in seconds)."""
+    """The model's module tree with parameters on the meta device (shapes only; any size builds in seconds).
+
+    Under a ZeRO-3 launch, transformers wraps `from_config` in deepspeed.zero.Init, which fails on meta tensors
+    ("Cannot copy out of meta tensor"); its own marker for "zero.Init is already active" keeps it out."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import set_zero3_state
 
-    with init_empty_weights():
+    with init_empty_weights(), set_zero3_state():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.tie_weights()  # shared input/output embeddings count once, as in the loaded model
     return model

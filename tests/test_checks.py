@@ -193,3 +193,24 @@ def test_check_command_reports_everything_and_loads_no_weights(tiny_model_dir, c
     assert good.returncode == 0, good.stderr
     assert "check passed" in good.stdout and "Loading weights" not in good.stderr + good.stdout
     assert "settled:" in good.stdout and "activation_checkpointing_kwargs = {'use_reentrant': True}" in good.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("config", ["deepspeed_config.yaml", "deepspeed_config_z3_qlora.yaml"])
+def test_check_under_a_real_zero3_launch_reaches_preflight(tiny_model_dir, tmp_path, config):
+    """Under ZeRO-3's launch environment transformers builds models inside deepspeed.zero.Init; the memory planner's
+    meta model stays out of it, so the check settles (with the plan's decision) and ends with the CPU refusal, not
+    with "Cannot copy out of meta tensor"."""
+    import subprocess
+    import sys
+
+    qlora = ["--use_4bit_quantization", "true"] if "qlora" in config else []
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/{config}",
+                             "--num_processes", "1", "--mixed_precision", "no", "--main_process_port", "0", "train.py",
+                             "--check", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path),
+                             *qlora],
+                            cwd=REPO_DIR, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "meta tensor" not in result.stderr, result.stderr[-3000:]
+    assert "activation_checkpointing = False: the memory plan needs" in result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "DeepSpeed through accelerate without a GPU" in errors[0], result.stderr[-3000:]
