@@ -23,8 +23,8 @@ setup: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python train.py --overwrite_output_dir true
 
-# All tiers, in TEST_WORKERS processes of one torch thread each (on 2 cores: 5.5 instead of 7-9 minutes); where this
-# machine runs bf16 natively, the tests whose path branches on it run again as on a CPU without.
+# All tiers, in TEST_WORKERS processes of one torch thread each (on 2 cores: 5.5-7 instead of 7-9 minutes); where
+# this machine runs bf16 natively, the tests whose path branches on it run again as on a CPU without.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load --durations=10 tests
@@ -36,4 +36,4 @@ test-fast: $(STAMP)
 
 # The tests marked native_bf16, with the hardware probe answering "no native bf16" (utils.NATIVE_BF16_SWITCH).
 test-no-native-bf16: $(STAMP)
-	RECIPE_NATIVE_BF16=0 $(PYTEST) -m native_bf16 tests
+	RECIPE_NATIVE_BF16=0 OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load -m native_bf16 tests
