@@ -268,10 +268,10 @@ def parse_arguments(argv: list[str]) -> Request:
     namespace, unknown = _flag_parser().parse_known_args(argv)
     if unknown:
         raise ConfigError(f"unknown arguments: {' '.join(unknown)}; `python train.py --help` lists the flags.")
-    given = {**file_values, **vars(namespace)}
-    recipe = []
-    for cls in (ModelArguments, DataArguments):
-        names = {f.name for f in fields(cls) if f.init}
-        recipe.append(cls(**{key: value for key, value in given.items() if key in names}))
-    training = {key: value for key, value in given.items() if key in {f.name for f in fields(SFTConfig) if f.init}}
-    return Request(*recipe, training, **mode)
+    given, owner = {**file_values, **vars(namespace)}, known_keys()
+
+    def values_of(cls) -> dict[str, Any]:
+        return {key: value for key, value in given.items() if owner[key] is cls}
+
+    return Request(ModelArguments(**values_of(ModelArguments)), DataArguments(**values_of(DataArguments)),
+                   values_of(SFTConfig), **mode)
