@@ -151,6 +151,13 @@ def speed(dry_run: bool, work: Path) -> dict:
     return measured
 
 
+def launcher_model(dry_run: bool, work: Path) -> Path:
+    """The random model the launchers and the loading part train and load (made once under `work`)."""
+    from gpu_benchmark import random_model
+
+    return random_model("tiny" if dry_run else "llama-1.1b", work, TINY_MODEL if dry_run else LAUNCHER_MODEL)
+
+
 def launch(config: str, argv: list[str], dry_run: bool) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "1",
                "--main_process_port", "0", *(["--mixed_precision", "no"] if dry_run else []),
@@ -197,9 +204,7 @@ def launcher(name: str, model_dir: Path, work: Path, dry_run: bool) -> dict:
 
 
 def launchers(dry_run: bool, work: Path, log: Log) -> dict:
-    from gpu_benchmark import random_model
-
-    model_dir = random_model("tiny" if dry_run else "llama-1.1b", work, TINY_MODEL if dry_run else LAUNCHER_MODEL)
+    model_dir = launcher_model(dry_run, work)
     rows = {}
     for name, (config, _) in LAUNCHERS.items():
         if dry_run and "fsdp2" not in name:  # FSDP1 and DeepSpeed need a GPU (preflight refuses them on CPU)
@@ -233,9 +238,8 @@ print("LOADED " + json.dumps({{"sharded": config.launch.sharded, "device_map": s
 def loading(dry_run: bool, work: Path) -> dict:
     """QLoRA under the FSDP environment `accelerate launch --config_file configs/fsdp_config_qlora.yaml` exports."""
     from distributed import launch_environment
-    from gpu_benchmark import random_model
 
-    model_dir = random_model("tiny" if dry_run else "llama-1.1b", work, TINY_MODEL if dry_run else LAUNCHER_MODEL)
+    model_dir = launcher_model(dry_run, work)
     env = launch_environment(["--config_file", "configs/fsdp_config_qlora.yaml", "--num_processes", "1", "train.py"])
     with socket.socket() as free:  # TrainingArguments starts the process group of this one-process "launch"
         free.bind(("127.0.0.1", 0))
