@@ -132,7 +132,8 @@ class Configuration:
     facts: Facts
     dtype: torch.dtype = torch.float32  # the base model's load dtype (4-bit: the quant storage dtype)
     attention: str = ATTENTION  # attn_implementation
-    device_map: dict | None = None  # from_pretrained's placement (4-bit on one GPU: bnb quantizes while placing)
+    device_map: dict | None = None  # from_pretrained's placement (4-bit on one GPU: bnb quantizes while placing;
+    # {"": "meta"}: this rank reads nothing and receives its weights from rank 0)
     max_length: int | None = None  # tokens per example as the recipe truncates (TRL's own is None when padding-free)
     cpu_fsdp: bool = False  # FSDP on a host without accelerator (accelerate alone would fall back to DDP)
     environment: dict[str, str] = field(default_factory=dict)  # exported before the trainer is built
@@ -211,6 +212,12 @@ def settle(request: Request, facts: Facts) -> Configuration:
     if config.quantized_4bit and facts.gpu_here and not facts.launch.sharded:
         config.device_map = {"": facts.launch.local_rank}
         decisions.append(Decision("device_map", config.device_map, "bitsandbytes quantizes while placing on the GPU"))
+    if facts.launch.weights_from_rank0:
+        config.device_map = {"": "cpu"} if facts.launch.rank == 0 else {"": "meta"}
+        decisions.append(Decision("loading", "rank 0 reads, the other ranks receive", "fsdp_cpu_ram_efficient_loading: "
+                                  "rank 0 reads the checkpoint into host RAM" + (" and quantizes it there (never the "
+                                  "whole 4-bit model on one GPU)" if config.quantized_4bit else "") + "; the other "
+                                  "ranks build on the meta device and receive their shards from it (sharding.py)"))
     config.cpu_fsdp = facts.launch.fsdp and not facts.cuda
     if config.cpu_fsdp:
         decisions.append(Decision("FSDP on CPU", True, "accelerate would fall back to DDP without an accelerator; the "

@@ -75,6 +75,15 @@ class Launch:
     def local_rank(self) -> int:
         return int(self.env.get("LOCAL_RANK", 0))
 
+    @property
+    def rank(self) -> int:
+        return int(self.env.get("RANK", 0))
+
+    @property
+    def weights_from_rank0(self) -> bool:
+        """FSDP's RAM-efficient loading: rank 0 reads the checkpoint, the others receive their shards (sharding.py)."""
+        return self.fsdp and self.num_processes > 1 and self.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
+
 
 class CpuFsdpSFTTrainer(SFTTrainer):
     """SFTTrainer that keeps FSDP on a host without an accelerator.

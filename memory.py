@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -257,6 +258,76 @@ def plan(shapes: Shapes, run: Run) -> Plan:
         p.assumptions.append(f"CPU run: everything in host RAM, plus {PROCESS_BASE_GIB} GiB for the process and "
                              f"{TRAINER_RUNTIME_GIB} GiB for the trainer (both measured on this machine)")
     return p
+
+
+class PhasePeaks:
+    """What this process really used in each phase of a run (load = read + shard, train, save), to set beside the plan.
+
+    Host: the peak of anonymous memory (RssAnon, sampled every 2 ms by a thread) above the phase's start: what the
+    plan counts and what the OOM killer weighs. The kernel's exact high-water mark (VmHWM, reset at each phase start)
+    is kept too; it also counts the memory-mapped checkpoint pages, which the kernel can drop. GPU: the peak CUDA
+    allocation. Without /proc (not Linux) the host values are None."""
+
+    INTERVAL_S = 0.002
+
+    def __init__(self):
+        self.phases: dict[str, dict[str, float | None]] = {}
+        self._current: str | None = None
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+        self._anon_peak = 0
+
+    @staticmethod
+    def _status(*fields: str) -> list[int | None]:
+        values = dict.fromkeys(fields)
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                name = line.split(":", 1)[0]
+                if name in values:
+                    values[name] = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return list(values.values())
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.INTERVAL_S):
+            anon = self._status("RssAnon")[0] or 0
+            self._anon_peak = max(self._anon_peak, anon)
+
+    def start(self, phase: str) -> None:
+        self.end()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak RSS (VmHWM) to the current RSS
+        except OSError:
+            pass
+        anon, rss = self._status("RssAnon", "VmRSS")
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self.phases[phase] = {"host_start_gib": anon / GIB if anon is not None else None,
+                              "rss_start_gib": rss / GIB if rss is not None else None}
+        self._current, self._anon_peak = phase, anon or 0
+        if anon is not None:
+            self._stop.clear()
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+
+    def end(self) -> None:
+        if self._current is None:
+            return
+        if self._sampler is not None:
+            self._stop.set()
+            self._sampler.join()
+            self._sampler = None
+        record = self.phases[self._current]
+        anon, hwm = self._status("RssAnon", "VmHWM")
+        if record["host_start_gib"] is not None:
+            record["host_peak_gib"] = max(self._anon_peak, anon or 0) / GIB
+            record["host_growth_gib"] = record["host_peak_gib"] - record["host_start_gib"]
+        if record["rss_start_gib"] is not None and hwm is not None:
+            record["rss_hwm_growth_gib"] = hwm / GIB - record["rss_start_gib"]
+        if torch.cuda.is_available():
+            record["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        self._current = None
 
 
 def format_plan(run: Run, p: Plan, gpu_gib: float | None = None) -> str:

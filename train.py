@@ -32,7 +32,9 @@ from distributed import trainer_class
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
 from fast_paths import score_labelled_positions_only
+from memory import PhasePeaks
 from report import TRAINING_KEYS, write_run_report
+from sharding import gather_adapter, hand_to_the_engine
 from training_data import DataError, TrainingData, prepare, summarize
 from utils import build_model, build_peft_config
 
@@ -53,7 +55,10 @@ def run(argv: list[str]):
 
     set_seed(config.training.seed)
     data = load_data(config)
+    peaks = PhasePeaks()  # loading is "read" (from_pretrained) then "shard" (until the engine has placed the weights)
+    peaks.start("read")
     model = build_base_model(config)
+    peaks.start("shard")
     heldout = heldout_prompts(config, data)
     summary = {}
     if heldout:
@@ -62,11 +67,14 @@ def run(argv: list[str]):
         log(f"held-out exact match before training: {summary['exact_match_before']:.1%} "
             f"({len(heldout.references)} {config.data.eval_split} prompts)")
     trainer, step_times = build_trainer(config, model, data)
+    trainer.add_callback(TrainPhase(peaks))
     result = train(trainer, config)
+    peaks.start("save")
     save_adapter(trainer)
+    peaks.end()
     summary.update(trained_examples=data.counts["examples"], trained_tokens=data.counts["tokens"],
                    skipped_examples=len(data.skipped), train_loss=result.training_loss, train_steps=result.global_step,
-                   step_seconds=step_times.seconds)
+                   step_seconds=step_times.seconds, memory_by_rank=every_rank(peaks.phases))
     if config.data.eval_split and config.training.eval_strategy == "no" and config.launch.num_processes == 1:
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
     if heldout:
@@ -141,7 +149,8 @@ def load_data(config: Configuration) -> TrainingData:
 
 def build_base_model(config: Configuration):
     return build_model(config.model, config.facts.tokenizer, config.facts.added_token_ids, dtype=config.dtype,
-                       attention=config.attention, device_map=config.device_map, sharded=config.launch.sharded,
+                       attention=config.attention, device_map=config.device_map,
+                       weights_from_rank0=config.launch.weights_from_rank0, device=config.training.device,
                        trust_remote_code=config.training.trust_remote_code, token=config.hub_token)
 
 
@@ -174,6 +183,28 @@ class StepTimes(TrainerCallback):
         return statistics.median(self.seconds[1:]) if len(self.seconds) >= 3 else None
 
 
+class TrainPhase(TrainerCallback):
+    """The train phase of PhasePeaks starts once the engine has placed the weights and ends with the last step."""
+
+    def __init__(self, peaks: PhasePeaks):
+        self.peaks = peaks
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.peaks.start("train")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.peaks.end()
+
+
+def every_rank(value):
+    """`value` from each rank, in rank order (every rank must call this)."""
+    if not torch.distributed.is_initialized():
+        return [value]
+    values = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
 def build_trainer(config: Configuration, model, data: TrainingData):
     os.environ.update(config.environment)  # read by the Accelerator the Trainer builds (torch.compile's settings)
     score_labelled_positions_only()
@@ -187,6 +218,8 @@ def build_trainer(config: Configuration, model, data: TrainingData):
         peft_config=build_peft_config(config.model, config.facts.added_token_ids),
         callbacks=[step_times],
     )
+    if config.launch.weights_from_rank0:
+        hand_to_the_engine(trainer.model)  # the engine broadcasts rank 0's weights (sharding.py)
     if config.uses_peft and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
     return trainer, step_times
@@ -222,8 +255,15 @@ def train(trainer, config: Configuration):
 
 
 def save_adapter(trainer) -> None:
-    if trainer.is_fsdp_enabled:  # gather the adapter on rank 0 so the final folder is a plain PEFT adapter
-        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    """The final folder is a plain PEFT adapter. Under FSDP2 only the trainable parameters are gathered, onto rank 0
+    (sharding.gather_adapter), never the frozen base; ZeRO-3 does the same in the Trainer (exclude_frozen_parameters).
+    FSDP1 has no per-parameter gather: it gathers the full state dict, unit by unit, into rank 0's host RAM."""
+    plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
+    if plugin is not None and plugin.fsdp_version == 2:
+        trainer._save(trainer.args.output_dir, state_dict=gather_adapter(trainer.model))
+        return
+    if plugin is not None:
+        plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model()
 
 

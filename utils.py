@@ -170,11 +170,13 @@ def build_quantization_config(model_args):
 
 
 def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: torch.dtype, attention: str,
-                device_map: dict | None = None, sharded: bool = False, trust_remote_code: bool = False,
-                token: str | None = None):
+                device_map: dict | None = None, weights_from_rank0: bool = False, device: torch.device | None = None,
+                trust_remote_code: bool = False, token: str | None = None):
     """The base model as the configuration says (configuration.settle decides dtype, attention and placement).
 
-    `sharded`: FSDP or ZeRO-3 will place the weights (then no device_map, and new embedding rows start random)."""
+    `weights_from_rank0`: a sharded run in which rank 0 alone reads the checkpoint (device_map cpu) and the other ranks
+    build on the meta device (device_map meta); sharding.receive_from_rank0 then sends what no engine carries, with
+    the quantization state placed on `device`, the training device."""
     from transformers import AutoModelForCausalLM
 
     if attention == ATTENTION:
@@ -191,10 +193,12 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
         token=token,
     )
     if added_token_ids:
-        # Mean-resizing reads the existing rows, which sit on the meta device on ranks > 0 under FSDP RAM-efficient
-        # loading of a quantized model; start the new rows random there instead (they are trained either way).
-        mean_resizing = not (quantization_config is not None and sharded)
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
+        # Mean-resizing reads the existing rows: not on the meta device (rank 0's rows are broadcast over them anyway)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=device_map != {"": "meta"})
+    if weights_from_rank0:
+        from sharding import receive_from_rank0
+
+        receive_from_rank0(model, device or torch.device("cpu"))
     for module in model.modules():
         # bitsandbytes repacks 4-bit weights into an inference-only layout the first time an AVX512-BF16 CPU runs them
         # in eval mode without grad, and never unpacks them: every evaluation during or before training would then

@@ -1,0 +1,99 @@
+"""How the weights of a sharded run reach the ranks, and how the trained adapter leaves them.
+
+Load (FSDP with `fsdp_cpu_ram_efficient_loading: true`; configuration.settle decides, utils.build_model loads):
+- global rank 0 reads the checkpoint into host RAM; a 4-bit model is quantized there too, on bitsandbytes' CPU
+  backend, so the whole quantized model never sits on one GPU;
+- every other rank builds the same module tree on the meta device and reads nothing;
+- the engine delivers the weights: accelerate's FSDP2 broadcast of rank 0's full state dict into the shards, or FSDP1's
+  `sync_module_states`. Rank 0 alone broadcasts, so reading on one rank per machine would only waste host RAM.
+Two things no engine carries are sent from rank 0 here (`receive_from_rank0`): each 4-bit layer's quantization state
+(absmax, code, nested statistics: 1/32 of the 4-bit bytes with nested quantization, 1/8 without; replicated, as
+bitsandbytes needs it whole), and the non-persistent buffers (rotary frequencies), which are in no state dict.
+
+Save: `gather_adapter` gathers the trainable parameters alone onto rank 0's host RAM, never the frozen base.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_4bit_layer(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "Linear4bit" and hasattr(module, "quant_state")
+
+
+def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
+    """Rank 0 holds the loaded model, the other ranks its meta-device twin. Afterwards every rank has each 4-bit
+    layer's quantization state (on `device`) and the non-persistent buffers; a 4-bit weight on the meta device takes
+    the packed shape of rank 0's, as a bitsandbytes Params4bit (PEFT reads its quantization settings)."""
+    from bitsandbytes.nn import Params4bit
+
+    rank0 = dist.get_rank() == 0
+    for module in model.modules():
+        if is_4bit_layer(module):
+            weight = module.weight
+            message = [(weight.shape, weight.dtype, weight.quant_state)] if rank0 else [None]
+            dist.broadcast_object_list(message, src=0)
+            shape, dtype, state = message[0]
+            state.to(device)  # moves absmax, code and the nested statistics in place
+            if not rank0:
+                module.weight = Params4bit(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False,
+                                           quant_state=state, blocksize=state.blocksize,
+                                           compress_statistics=state.nested, quant_type=state.quant_type,
+                                           quant_storage=dtype, module=module, bnb_quantized=True)
+            module.weight.quant_state = module.quant_state = state
+        names = sorted(module._non_persistent_buffers_set)
+        if names:
+            message = [{name: module._buffers[name] for name in names}] if rank0 else [None]
+            dist.broadcast_object_list(message, src=0)
+            for name, value in message[0].items():
+                module._buffers[name] = value.to(device)
+
+
+def hand_to_the_engine(model: torch.nn.Module) -> None:
+    """Ready the PEFT-wrapped model for the engine's broadcast from rank 0. Call after PEFT has wrapped the layers and
+    before the engine prepares the model.
+
+    - Each 4-bit weight becomes a plain frozen parameter (real on rank 0, meta elsewhere) that the engine broadcasts
+      and shards like any other; its quantization state stays on the module, where bitsandbytes finds it when the
+      weight comes back from FSDP without one (fix_4bit_weight_quant_state_from_module). accelerate gives up its
+      RAM-efficient FSDP2 broadcast as soon as it sees a Params4bit, and every rank would load the whole model.
+    - Trainable parameters still on the meta device get real (uninitialised) CPU storage; rank 0's values arrive with
+      the broadcast. The Trainer builds the FSDP2 optimizer before sharding and accelerate then finds each parameter's
+      sharded version by its data pointer: on the meta device they all point to 0, every optimizer slot would map to
+      one parameter, and the other ranks would silently train the wrong weights (seen: losses off from step 2).
+      These are the adapter's parameters only, a few MB."""
+    for module in model.modules():
+        if is_4bit_layer(module) and type(module.weight).__name__ == "Params4bit":
+            module.weight = torch.nn.Parameter(module.weight.data, requires_grad=False)
+    materialized: dict[int, torch.nn.Parameter] = {}  # a parameter shared by two modules stays shared
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.requires_grad and param.device.type == "meta":
+                if id(param) not in materialized:
+                    materialized[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"))
+                module._parameters[name] = materialized[id(param)]
+
+
+def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The trainable parameters, whole, in host RAM on rank 0 (None on the other ranks): every rank takes part in
+    each gather. FSDP2 parameters are DTensors gathered one at a time; ZeRO-3 parameters are gathered by DeepSpeed."""
+    from torch.distributed.tensor import DTensor
+
+    rank0 = dist.get_rank() == 0
+    state = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if hasattr(param, "ds_id"):  # a ZeRO-3 partition
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                whole = param.data.detach().cpu().clone() if rank0 else None
+        else:
+            whole = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            whole = whole.cpu().clone() if rank0 else None
+        if rank0:
+            state[name] = whole
+    return state if rank0 else None
