@@ -138,13 +138,19 @@ class Run:
     nested_quant: bool = True
     device: str = "cuda"  # cuda | cpu (a CPU run: everything lands in host RAM)
     precision: str = "bf16"  # bf16 | fp32: the dtype the (non-quantized) weights are loaded in
+    fsdp_version: int = 2
+    weights_from_rank0: bool = True  # FSDP fsdp_cpu_ram_efficient_loading: rank 0 reads, the other ranks receive
+    checkpoint_bytes: int = 2  # bytes per weight in the checkpoint files (bf16 / fp16 for most published models)
 
 
 @dataclass
 class Plan:
-    per_gpu: dict[str, float] = field(default_factory=dict)  # GiB
-    host: dict[str, float] = field(default_factory=dict)  # GiB
+    per_gpu: dict[str, float] = field(default_factory=dict)  # GiB, while training
+    host: dict[str, float] = field(default_factory=dict)  # GiB, while training
     assumptions: list[str] = field(default_factory=list)
+    # The peak of each phase (load, train, save) per place: "gpu" (each GPU), "host rank 0", "host other rank" (each
+    # process's own growth in host RAM) and "host machine" (all ranks of one machine, processes included), in GiB.
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def per_gpu_total(self) -> float:
@@ -161,6 +167,7 @@ class Plan:
 CUDA_CONTEXT_GIB = 1.0
 PROCESS_BASE_GIB = 0.5
 TRAINER_RUNTIME_GIB = 0.3
+WRAP_RUNTIME_GIB = 0.03  # PEFT wrapping and building the Trainer, before any training (measured here, any model size)
 ALLOCATOR_HEADROOM = 1.25  # reserved / allocated of PyTorch's caching allocator on long runs: 1.1-1.4 is typical
 
 
@@ -257,7 +264,85 @@ def plan(shapes: Shapes, run: Run) -> Plan:
         p.host["trainer runtime"] = TRAINER_RUNTIME_GIB
         p.assumptions.append(f"CPU run: everything in host RAM, plus {PROCESS_BASE_GIB} GiB for the process and "
                              f"{TRAINER_RUNTIME_GIB} GiB for the trainer (both measured on this machine)")
+    plan_load_and_save(p, shapes, run, weights, trainable * train_bytes, shards_params)
     return p
+
+
+def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: float, sharded: bool) -> None:
+    """The load and save phases, as sharding.py and the engines run them; the train phase is the plan above.
+
+    Load, FSDP with weights from rank 0 (accelerate's fsdp2_load_full_state_dict, FSDP1's sync_module_states): rank 0
+    holds the base in host RAM (read, and quantized there for 4-bit), the other ranks nothing of it; then, one tensor
+    at a time, rank 0 broadcasts the whole tensor, every other rank receives it into a buffer of its size, and each
+    keeps its 1/n slice. The peak is each rank's own shard plus the largest tensor and its slice in flight."""
+    n = max(run.gpus, 1)
+    weight_bytes = 2 if run.precision == "bf16" else 4
+    qlora = run.method == "qlora"
+    quant_state = shapes.linear * ((NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES) - 0.5) if qlora else 0
+    shardable = base - quant_state  # the quantization state is not sharded: every rank keeps it whole
+    embedding = shapes.vocab * shapes.hidden * weight_bytes
+    largest = max(embedding, shapes.largest_linear * (0.5 if qlora else weight_bytes))
+    own_shard = shardable / n if sharded else shardable
+    on_gpu = run.device == "cuda"
+    shards_on_host = not on_gpu or run.offload
+    converted = qlora or run.checkpoint_bytes != weight_bytes  # else the weights alias the memory-mapped file
+    reader = base if converted else 0.0
+    if qlora:
+        reader += shapes.largest_linear * run.checkpoint_bytes  # one weight in checkpoint dtype while it is quantized
+    fsdp_from_rank0 = run.engine == "fsdp" and run.weights_from_rank0 and n > 1
+    zero3 = run.engine == "deepspeed" and run.zero_stage == 3 and n > 1
+    gpu, rank0, other = 0.0, 0.0, 0.0
+    if fsdp_from_rank0:
+        in_flight = largest / n + (largest if on_gpu else 0)  # rank 0's full tensor is its own weight on CPU
+        if shards_on_host:
+            rank0 = reader + adapter + own_shard + in_flight
+            other = quant_state + adapter + own_shard + largest + largest / n
+        else:
+            rank0, other = reader + adapter, 0.0
+            gpu = own_shard + quant_state + adapter + largest + largest / n
+        p.assumptions.append("load: rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the other "
+                             "ranks build on the meta device; the engine broadcasts one tensor at a time "
+                             f"(the largest: {largest / GIB:.2f} GiB) and each rank keeps its 1/{n} slice")
+    elif zero3 and not qlora:
+        layer = shapes.largest_layer * weight_bytes
+        rank0, other = reader + adapter, adapter
+        gpu = own_shard + layer
+        p.assumptions.append("load: zero.Init partitions each layer as it is built; rank 0 reads the checkpoint and "
+                             "the layer being loaded is gathered whole")
+    elif zero3:
+        rank0 = other = shapes.largest_linear * run.checkpoint_bytes + adapter
+        gpu = base + adapter  # bitsandbytes places the whole quantized model on each rank's GPU
+        p.assumptions.append("load: transformers builds 4-bit models outside zero.Init, so every rank reads and "
+                             "quantizes the whole model onto its own GPU; DeepSpeed partitions the 4-bit weights at "
+                             "initialize (measured on 2 CPU processes: each rank kept half)")
+    else:  # every rank reads the whole model
+        if on_gpu and qlora:
+            gpu, rank0 = base + adapter, shapes.largest_linear * run.checkpoint_bytes
+        elif on_gpu:
+            gpu, rank0 = base + adapter, reader
+        else:
+            rank0 = reader + adapter
+        other = rank0
+        if n > 1:
+            p.assumptions.append("load: every rank reads the whole checkpoint")
+    if not converted:
+        p.assumptions.append("load: weights already in the load dtype are the memory-mapped checkpoint pages, which "
+                             "the kernel can evict, and are not counted")
+    processes = PROCESS_BASE_GIB * GIB * n
+    rank0, other = rank0 + WRAP_RUNTIME_GIB * GIB, other + WRAP_RUNTIME_GIB * GIB
+    p.phases["load"] = {"gpu": gpu + (CUDA_CONTEXT_GIB * GIB if on_gpu else 0), "host rank 0": rank0,
+                        "host other rank": other if n > 1 else 0.0,
+                        "host machine": rank0 + other * (n - 1) + processes}
+    p.phases["train"] = {"gpu": sum(p.per_gpu.values()) * GIB, "host machine": sum(p.host.values()) * GIB}
+    # Save: the adapter alone is gathered onto rank 0 (FSDP2 sharding.gather_adapter, ZeRO-3 exclude_frozen_parameters);
+    # FSDP1 gathers the full state dict, unit by unit, into rank 0's host RAM.
+    full_gather = run.engine == "fsdp" and run.fsdp_version == 1
+    saved = adapter + (base if full_gather else 0)
+    p.phases["save"] = {"gpu": 0.0, "host rank 0": saved, "host other rank": 0.0, "host machine": saved + processes}
+    if full_gather:
+        p.assumptions.append("save: FSDP1 gathers the full state dict (the frozen base too) into rank 0's host RAM; "
+                             "FSDP2 and ZeRO-3 gather the adapter alone")
+    p.phases = {phase: {place: value / GIB for place, value in peaks.items()} for phase, peaks in p.phases.items()}
 
 
 class PhasePeaks:
@@ -348,6 +433,12 @@ def format_plan(run: Run, p: Plan, gpu_gib: float | None = None) -> str:
     lines.append("host RAM:")
     lines += [f"  {name:22s} {gib:8.2f} GiB" for name, gib in p.host.items() if gib]
     lines.append(f"  {'total':22s} {p.host_total:8.2f} GiB")
+    if p.phases:
+        places = ("gpu", "host rank 0", "host other rank", "host machine")
+        lines.append("peaks by phase, GiB:   " + "".join(f"{place:>16s}" for place in places))
+        for phase, peaks in p.phases.items():
+            cells = [f"{peaks[place]:16.2f}" if place in peaks else f"{'':16s}" for place in places]
+            lines.append(f"  {phase:20s} " + "".join(cells))
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in p.assumptions]
     return "\n".join(lines)

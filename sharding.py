@@ -20,7 +20,9 @@ import torch.distributed as dist
 
 
 def is_4bit_layer(module: torch.nn.Module) -> bool:
-    return type(module).__name__ == "Linear4bit" and hasattr(module, "quant_state")
+    from bitsandbytes.nn import Linear4bit
+
+    return isinstance(module, Linear4bit)  # the bitsandbytes layer, not PEFT's LoRA wrapper of the same name
 
 
 def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
@@ -78,10 +80,15 @@ def hand_to_the_engine(model: torch.nn.Module) -> None:
 
 def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """The trainable parameters, whole, in host RAM on rank 0 (None on the other ranks): every rank takes part in
-    each gather. FSDP2 parameters are DTensors gathered one at a time; ZeRO-3 parameters are gathered by DeepSpeed."""
+    each gather. FSDP2 parameters are DTensors gathered one at a time; ZeRO-3 parameters are gathered by DeepSpeed;
+    FSDP1 units holding trainable parameters are gathered one unit at a time (PEFT's wrap policy gives each LoRA
+    layer its own unit), never the frozen ones."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.tensor import DTensor
 
     rank0 = dist.get_rank() == 0
+    if isinstance(model, FSDP):
+        return gather_fsdp1_adapter(model, rank0)
     state = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -96,4 +103,21 @@ def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
             whole = whole.cpu().clone() if rank0 else None
         if rank0:
             state[name] = whole
+    return state if rank0 else None
+
+
+def gather_fsdp1_adapter(model, rank0: bool) -> dict[str, torch.Tensor] | None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    wrapper = "_fsdp_wrapped_module."
+    state = {}
+    for prefix, unit in model.named_modules():
+        handle = getattr(unit, "_handle", None)
+        if not isinstance(unit, FSDP) or handle is None or not handle.flat_param.requires_grad:
+            continue
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+            for name in handle.flat_param._fqns:  # the unit's own parameters, relative to the module it wraps
+                param = unit.module.get_parameter(name)
+                if rank0 and param.requires_grad:
+                    state[f"{prefix}.{name}".replace(wrapper, "").lstrip(".")] = param.detach().cpu().clone()
     return state if rank0 else None

@@ -55,10 +55,10 @@ def run(argv: list[str]):
 
     set_seed(config.training.seed)
     data = load_data(config)
-    peaks = PhasePeaks()  # loading is "read" (from_pretrained) then "shard" (until the engine has placed the weights)
+    peaks = PhasePeaks()  # loading: read (from_pretrained), wrap (PEFT, Trainer), shard (until the engine placed it)
     peaks.start("read")
     model = build_base_model(config)
-    peaks.start("shard")
+    peaks.start("wrap")
     heldout = heldout_prompts(config, data)
     summary = {}
     if heldout:
@@ -68,6 +68,7 @@ def run(argv: list[str]):
             f"({len(heldout.references)} {config.data.eval_split} prompts)")
     trainer, step_times = build_trainer(config, model, data)
     trainer.add_callback(TrainPhase(peaks))
+    peaks.start("shard")
     result = train(trainer, config)
     peaks.start("save")
     save_adapter(trainer)
@@ -255,16 +256,12 @@ def train(trainer, config: Configuration):
 
 
 def save_adapter(trainer) -> None:
-    """The final folder is a plain PEFT adapter. Under FSDP2 only the trainable parameters are gathered, onto rank 0
-    (sharding.gather_adapter), never the frozen base; ZeRO-3 does the same in the Trainer (exclude_frozen_parameters).
-    FSDP1 has no per-parameter gather: it gathers the full state dict, unit by unit, into rank 0's host RAM."""
-    plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
-    if plugin is not None and plugin.fsdp_version == 2:
+    """The final folder is a plain PEFT adapter. Under FSDP only the trainable parameters are gathered, onto rank 0
+    (sharding.gather_adapter), never the frozen base; ZeRO-3 does the same in the Trainer (exclude_frozen_parameters)."""
+    if trainer.is_fsdp_enabled:
         trainer._save(trainer.args.output_dir, state_dict=gather_adapter(trainer.model))
-        return
-    if plugin is not None:
-        plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model()
+    else:
+        trainer.save_model()
 
 
 def write_report(config: Configuration, trainer, summary: dict) -> None:

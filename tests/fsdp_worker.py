@@ -38,6 +38,23 @@ def main() -> None:
     if rank == 0:
         torch.save(logits.float().cpu(), out / "sharded_logits.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+    torch.save(four_bit_layers(model), out / f"rank{rank}_4bit.pt")
+
+
+def four_bit_layers(model) -> dict:
+    """Each 4-bit layer's whole packed weight (gathered from the shards: every rank takes part) and this rank's copy of
+    its quantization state."""
+    from bitsandbytes.nn import Linear4bit
+
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear4bit):
+            weight = module.weight.full_tensor() if isinstance(module.weight, DTensor) else module.weight
+            state = module.quant_state
+            layers[name.replace("base_model.model.", "", 1).replace(".base_layer", "")] = {
+                "weight": weight.detach().cpu(), "absmax": state.absmax.cpu(), "code": state.code.cpu(),
+                "shape": tuple(state.shape), "nested": state.nested}
+    return layers
 
 
 if __name__ == "__main__":

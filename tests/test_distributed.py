@@ -78,7 +78,22 @@ def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, chat_dir, tmp
             half = sharded_adapter[name].shape[0] // 2
             assert sharded_adapter[name][half:].abs().sum() > 0
 
-    # The final full-state-dict save is a plain adapter: one process reloads it to the sharded model's logits.
+    if quantized:  # every rank got rank 0's quantization: the same packed weights and state as one process's load
+        from bitsandbytes.nn import Linear4bit
+
+        single_layers = {name: module for name, module in base_model(recipe_args(
+            tiny_model_dir, chat_dir, tmp_path / "unused", 4, True)).named_modules() if isinstance(module, Linear4bit)}
+        for rank in (0, 1):
+            layers = torch.load(tmp_path / "fsdp" / f"rank{rank}_4bit.pt")
+            assert layers.keys() == single_layers.keys() and layers
+            for name, layer in layers.items():
+                reference = single_layers[name].weight
+                assert torch.equal(layer["weight"].view(torch.uint8), reference.data.view(torch.uint8)), name
+                assert torch.equal(layer["absmax"], reference.quant_state.absmax), name
+                assert torch.equal(layer["code"], reference.quant_state.code), name
+                assert layer["shape"] == tuple(reference.quant_state.shape), name
+
+    # The final save is a plain adapter: one process reloads it to the sharded model's logits.
     base = base_model(recipe_args(tiny_model_dir, chat_dir, tmp_path / "unused", 4, quantized))
     reloaded = PeftModel.from_pretrained(base, tmp_path / "fsdp", autocast_adapter_dtype=not quantized).eval()
     batch = single.processing_class([PROBE], return_tensors="pt")
