@@ -197,17 +197,12 @@ def ram_efficient_without_sync(s: Configuration) -> Problem | None:
     return None
 
 
-def fsdp2_qlora_loading(s: Configuration) -> Problem | None:
-    if s.quantized_4bit and s.launch.fsdp and s.launch.fsdp_version == 2:
-        return Problem("warning", "QLoRA with FSDP2", "FSDP2 skips RAM-efficient loading for 4-bit models, so each GPU "
-                       "first holds the whole 4-bit model", "use configs/fsdp_config_qlora.yaml (FSDP1) on small GPUs")
-    return None
-
-
-def zero3_qlora_replicated(s: Configuration) -> Problem | None:
+def zero3_qlora_loading(s: Configuration) -> Problem | None:
     if s.quantized_4bit and s.launch.zero_stage == 3:
-        return Problem("warning", "QLoRA with ZeRO-3", "zero.Init skips bitsandbytes weights: every GPU holds the "
-                       "whole 4-bit model", "budget GPU memory for it, or use FSDP1 QLoRA with offload")
+        return Problem("warning", "QLoRA with ZeRO-3", "transformers builds 4-bit models outside zero.Init: every rank "
+                       "reads and quantizes the whole model onto its own GPU, and DeepSpeed partitions the 4-bit weights "
+                       "only at initialize", "budget one whole 4-bit model per GPU for loading, or use FSDP QLoRA, "
+                       "where rank 0 reads and quantizes in host RAM (configs/fsdp_config_qlora.yaml)")
     return None
 
 
@@ -349,13 +344,26 @@ def memory_fit(s: Configuration) -> Problem | None:
                    "--activation_checkpointing, add GPUs, or offload (see `python memory.py --help`)")
 
 
+def host_ram_by_phase(s: Configuration) -> Problem | None:
+    """Loading and saving can need more host RAM than training (rank 0 holds the base while it is broadcast)."""
+    if not (s.facts.here and s.facts.host_gib and s.facts.model_config is not None):
+        return None
+    phases = memory_plan(s).phases
+    phase, needed = max(((name, peaks["host machine"]) for name, peaks in phases.items()), key=lambda item: item[1])
+    if needed <= s.facts.host_gib:
+        return None
+    return Problem("warning", f"the memory plan's {phase} phase needs about {needed:.1f} GiB of host RAM, this machine "
+                   f"has {s.facts.host_gib:.0f} GiB available", "the kernel would kill the run",
+                   "add RAM or swap, use more machines, or see `python memory.py --help` for each phase")
+
+
 RULES: list[Callable[[Configuration], Problem | None]] = [
     model_source, tokenizer_builds, dataset_source, flash_attention, bf16_support, fp16_without_gpu, engine_without_gpu,
     quant_storage_dtype, eight_bit_with_fsdp, bnb_optimizer_with_fsdp, qlora_fsdp_loading, ram_efficient_without_sync,
-    fsdp2_qlora_loading, zero3_qlora_replicated, compile_with_fsdp1, two_activation_checkpointings,
+    zero3_qlora_loading, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,
     added_tokens_under_fsdp, no_layer_class_to_wrap, output_dir_holds_another_run, output_dir_writable,
-    resume_checkpoint, memory_fit,
+    resume_checkpoint, memory_fit, host_ram_by_phase,
 ]
 
 

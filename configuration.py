@@ -261,15 +261,15 @@ def planned_run(config: Configuration):
                nested_quant=config.model.use_nested_quant, device="cuda" if config.facts.cuda else "cpu",
                precision="bf16" if training.bf16 or config.quantized_4bit else "fp32",
                fsdp_version=launch.fsdp_version, weights_from_rank0=launch.weights_from_rank0,
-               checkpoint_bytes=checkpoint_bytes(config.facts.model_config))
+               checkpoint_dtype=checkpoint_dtype(config.facts.model_config))
 
 
-def checkpoint_bytes(model_config) -> int:
-    """Bytes per weight in the checkpoint files, from config.json's dtype (bf16 when it does not say)."""
+def checkpoint_dtype(model_config) -> str:
+    """The dtype of the checkpoint files, from config.json (bfloat16 when it does not say)."""
     dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype.itemsize if isinstance(dtype, torch.dtype) else 2
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return dtype if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype) else "bfloat16"
 
 
 def memory_plan(config: Configuration, **changes):

@@ -12,6 +12,7 @@ module tree, not from a formula, and no weights are read. The rest is arithmetic
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import threading
 from dataclasses import asdict, dataclass, field
@@ -54,8 +55,8 @@ def meta_model(config):
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import set_zero3_state
 
-    with init_empty_weights(), set_zero3_state():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with init_empty_weights(), set_zero3_state():  # a copy: from_config writes its dtype into the config it is given
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16)
     model.tie_weights()  # shared input/output embeddings count once, as in the loaded model
     return model
 
@@ -140,7 +141,7 @@ class Run:
     precision: str = "bf16"  # bf16 | fp32: the dtype the (non-quantized) weights are loaded in
     fsdp_version: int = 2
     weights_from_rank0: bool = True  # FSDP fsdp_cpu_ram_efficient_loading: rank 0 reads, the other ranks receive
-    checkpoint_bytes: int = 2  # bytes per weight in the checkpoint files (bf16 / fp16 for most published models)
+    checkpoint_dtype: str = "bfloat16"  # of the checkpoint files (config.json's dtype)
 
 
 @dataclass
@@ -198,9 +199,10 @@ def plan(shapes: Shapes, run: Run) -> Plan:
     shards_params = (run.engine == "fsdp" and run.sharding == "full") or (deepspeed and run.zero_stage == 3)
     shards_grads = run.engine == "fsdp" or (deepspeed and run.zero_stage >= 2)
     shards_optim = run.engine == "fsdp" or deepspeed
-    if run.method == "qlora" and deepspeed:
-        shards_params = False  # zero.Init skips bitsandbytes weights
-        p.assumptions.append("ZeRO-3 does not partition 4-bit weights: each GPU holds them all")
+    if run.method == "qlora" and deepspeed and shards_params:
+        p.assumptions.append("ZeRO-3 partitions the 4-bit weights (bf16 storage) at initialize: measured on 2 CPU "
+                             "processes, each rank kept half of every packed weight and the logits equalled one "
+                             "process's")
     frozen = 0 if run.method == "full" else weights  # the base model; LoRA weights come on top
     trainable_weights = trainable * train_bytes
     base = frozen / n if shards_params else frozen
@@ -285,14 +287,32 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     own_shard = shardable / n if sharded else shardable
     on_gpu = run.device == "cuda"
     shards_on_host = not on_gpu or run.offload
-    converted = qlora or run.checkpoint_bytes != weight_bytes  # else the weights alias the memory-mapped file
+    load_dtype = "bfloat16" if run.precision == "bf16" else "float32"
+    converted = qlora or run.checkpoint_dtype != load_dtype  # else the weights alias the memory-mapped file
     reader = base if converted else 0.0
+    checkpoint_bytes = getattr(torch, run.checkpoint_dtype).itemsize
     if qlora:
-        reader += shapes.largest_linear * run.checkpoint_bytes  # one weight in checkpoint dtype while it is quantized
+        reader += shapes.largest_linear * checkpoint_bytes  # one weight in checkpoint dtype while it is quantized
     fsdp_from_rank0 = run.engine == "fsdp" and run.weights_from_rank0 and n > 1
     zero3 = run.engine == "deepspeed" and run.zero_stage == 3 and n > 1
     gpu, rank0, other = 0.0, 0.0, 0.0
-    if fsdp_from_rank0:
+    if fsdp_from_rank0 and run.fsdp_version == 1:
+        # sync_module_states, unit by unit: rank 0 moves a unit to its GPU and broadcasts it flattened, every rank
+        # keeps its slice; the unit's host copy on rank 0 is then released, so base + shards stay about one base.
+        unit = shapes.largest_layer * (NF4_NESTED_BYTES if qlora and run.nested_quant else NF4_BYTES if qlora
+                                       else weight_bytes)
+        rank0 = reader + adapter + (unit / n if shards_on_host else 0)
+        other = quant_state + adapter + (own_shard + unit / n if shards_on_host else 0)
+        if shards_on_host:  # the shards replace rank 0's host copy as it goes: about one base on the machine
+            rank0 = max(rank0, adapter + own_shard + unit)
+            other = quant_state + adapter + unit / n
+        gpu = 0.0 if run.offload else own_shard + quant_state + adapter
+        gpu += unit + unit / n if on_gpu else 0
+        p.assumptions.append("load (FSDP1): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the "
+                             "other ranks build on the meta device; sync_module_states moves one unit at a time to "
+                             "the GPU, broadcasts it and frees rank 0's host copy (read from torch's FSDP1 code: its "
+                             "sync needs a GPU, so not measured on CPU)")
+    elif fsdp_from_rank0:
         in_flight = largest / n + (largest if on_gpu else 0)  # rank 0's full tensor is its own weight on CPU
         if shards_on_host:
             rank0 = reader + adapter + own_shard + in_flight
@@ -300,9 +320,10 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
         else:
             rank0, other = reader + adapter, 0.0
             gpu = own_shard + quant_state + adapter + largest + largest / n
-        p.assumptions.append("load: rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the other "
-                             "ranks build on the meta device; the engine broadcasts one tensor at a time "
-                             f"(the largest: {largest / GIB:.2f} GiB) and each rank keeps its 1/{n} slice")
+        p.assumptions.append("load (FSDP2): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the "
+                             "other ranks build on the meta device; accelerate broadcasts one tensor at a time (the "
+                             f"largest: {largest / GIB:.2f} GiB), each rank keeps its 1/{n} slice, and rank 0 keeps "
+                             "the whole base until the last tensor is sent (measured on 2 CPU processes)")
     elif zero3 and not qlora:
         layer = shapes.largest_layer * weight_bytes
         rank0, other = reader + adapter, adapter
@@ -310,14 +331,14 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
         p.assumptions.append("load: zero.Init partitions each layer as it is built; rank 0 reads the checkpoint and "
                              "the layer being loaded is gathered whole")
     elif zero3:
-        rank0 = other = shapes.largest_linear * run.checkpoint_bytes + adapter
+        rank0 = other = shapes.largest_linear * checkpoint_bytes + adapter
         gpu = base + adapter  # bitsandbytes places the whole quantized model on each rank's GPU
         p.assumptions.append("load: transformers builds 4-bit models outside zero.Init, so every rank reads and "
                              "quantizes the whole model onto its own GPU; DeepSpeed partitions the 4-bit weights at "
                              "initialize (measured on 2 CPU processes: each rank kept half)")
     else:  # every rank reads the whole model
         if on_gpu and qlora:
-            gpu, rank0 = base + adapter, shapes.largest_linear * run.checkpoint_bytes
+            gpu, rank0 = base + adapter, shapes.largest_linear * checkpoint_bytes
         elif on_gpu:
             gpu, rank0 = base + adapter, reader
         else:
@@ -334,14 +355,12 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
                         "host other rank": other if n > 1 else 0.0,
                         "host machine": rank0 + other * (n - 1) + processes}
     p.phases["train"] = {"gpu": sum(p.per_gpu.values()) * GIB, "host machine": sum(p.host.values()) * GIB}
-    # Save: the adapter alone is gathered onto rank 0 (FSDP2 sharding.gather_adapter, ZeRO-3 exclude_frozen_parameters);
-    # FSDP1 gathers the full state dict, unit by unit, into rank 0's host RAM.
-    full_gather = run.engine == "fsdp" and run.fsdp_version == 1
-    saved = adapter + (base if full_gather else 0)
-    p.phases["save"] = {"gpu": 0.0, "host rank 0": saved, "host other rank": 0.0, "host machine": saved + processes}
-    if full_gather:
-        p.assumptions.append("save: FSDP1 gathers the full state dict (the frozen base too) into rank 0's host RAM; "
-                             "FSDP2 and ZeRO-3 gather the adapter alone")
+    # Save: the adapter alone is gathered onto rank 0 (sharding.gather_adapter; ZeRO-3: exclude_frozen_parameters).
+    # What training left in host RAM (offloaded shards) is still there.
+    held = sum(p.host.values()) * GIB - processes if on_gpu else 0.0
+    p.phases["save"] = {"gpu": 0.0, "host rank 0": adapter, "host other rank": 0.0,
+                        "host machine": held + adapter + processes}
+    p.assumptions.append("save: only the trainable parameters are gathered, onto rank 0's host RAM")
     p.phases = {phase: {place: value / GIB for place, value in peaks.items()} for phase, peaks in p.phases.items()}
 
 

@@ -120,9 +120,11 @@ def report_problems(problems: list[Problem]) -> None:
 def finish_check(config: Configuration) -> None:
     """--check: what can be known without weights or data."""
     if config.facts.model_config is not None:
-        plan = memory_plan(config)
-        where = f"{plan.per_gpu_total:.1f} GiB per GPU, " if plan.per_gpu else ""
-        log(f"memory plan: {where}{plan.host_total:.1f} GiB host RAM (`python memory.py` for the breakdown)")
+        phases = memory_plan(config).phases
+        gpu = ", ".join(f"{phase} {peaks['gpu']:.1f}" for phase, peaks in phases.items()) if config.facts.cuda else ""
+        host = ", ".join(f"{phase} {peaks['host machine']:.1f}" for phase, peaks in phases.items())
+        log("memory plan, GiB: " + (f"per GPU {gpu}; " if gpu else "") + f"host RAM per machine {host} "
+            "(`python memory.py` for the breakdown and its assumptions)")
     log("check passed: no error in this configuration (data and weights were not read"
         + ("; this machine's hardware was not checked: the launch targets GPUs)" if not config.facts.here else ")"))
 

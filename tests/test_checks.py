@@ -6,6 +6,7 @@ from conftest import settled
 import checks
 from checks import preflight
 from distributed import Launch, launch_environment
+from memory import load_config
 from utils import REPO_DIR
 
 CONFIGS = REPO_DIR / "configs"
@@ -55,9 +56,10 @@ CASES = [
     (checks.ram_efficient_without_sync,
      ([], launch("fsdp_config.yaml", FSDP_SYNC_MODULE_STATES="false"), {}),
      ([], launch("fsdp_config.yaml"), {}), "error"),
-    (checks.fsdp2_qlora_loading,
-     (QLORA, launch("fsdp2_config_qlora.yaml"), {}), (QLORA, launch("fsdp_config_qlora.yaml"), {}), "warning"),
-    (checks.zero3_qlora_replicated,
+    (checks.host_ram_by_phase,
+     ([], launch("fsdp2_config.yaml"), {"model_config": load_config("smollm2-135m"), "host_gib": 0.5}),
+     ([], launch("fsdp2_config.yaml"), {"model_config": load_config("smollm2-135m"), "host_gib": 64}), "warning"),
+    (checks.zero3_qlora_loading,
      (QLORA, launch("deepspeed_config_z3_qlora.yaml"), {}), ([], launch("deepspeed_config.yaml"), {}), "warning"),
     (checks.compile_with_fsdp1,
      (["--torch_compile", "true"], launch("fsdp_config.yaml"), {}),
@@ -150,12 +152,12 @@ def test_every_problem_is_reported_at_once_errors_first():
     # a GPU here: the SFTConfig is still built on this host, so without bf16 (TrainingArguments refuses it on CPU)
     s = setup(["--use_4bit_quantization", "true", "--bf16", "false", "--bnb_4bit_quant_storage_dtype", "uint8",
                "--optim", "paged_adamw_8bit", "--use_flash_attn", "true", "--eval_num_prompts", "4"],
-              launch("fsdp2_config_qlora.yaml"), cuda=True)
+              launch("fsdp2_config_qlora.yaml", FSDP_CPU_RAM_EFFICIENT_LOADING="false"), cuda=True)
     problems = preflight(s)
     levels = [p.level for p in problems]
     assert levels == sorted(levels, key=lambda level: level != "error")
     names = " | ".join(str(p) for p in problems)
-    for expected in ("uint8", "paged_adamw_8bit", "flash-attn is not installed", "QLoRA with FSDP2",
+    for expected in ("uint8", "paged_adamw_8bit", "flash-attn is not installed", "QLoRA + FSDP without RAM-efficient",
                      "--eval_num_prompts"):
         assert expected in names
     assert all(" Fix: " in str(p) for p in problems)
