@@ -82,7 +82,7 @@ class Launch:
     @property
     def weights_from_rank0(self) -> bool:
         """FSDP's RAM-efficient loading: rank 0 reads the checkpoint, the others receive their shards (sharding.py)."""
-        return self.fsdp and self.num_processes > 1 and self.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
+        return self.fsdp and self.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
 
 
 class CpuFsdpSFTTrainer(SFTTrainer):

@@ -326,10 +326,10 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
                              "the whole base until the last tensor is sent (measured on 2 CPU processes)")
     elif zero3 and not qlora:
         layer = shapes.largest_layer * weight_bytes
-        rank0, other = reader + adapter, adapter
+        rank0, other = largest + adapter, adapter  # rank 0 copies one checkpoint tensor at a time into its partition
         gpu = own_shard + layer
-        p.assumptions.append("load: zero.Init partitions each layer as it is built; rank 0 reads the checkpoint and "
-                             "the layer being loaded is gathered whole")
+        p.assumptions.append("load: zero.Init partitions each layer as it is built; rank 0 reads the checkpoint "
+                             "(memory-mapped) and the layer being loaded is gathered whole on each GPU")
     elif zero3:
         rank0 = other = shapes.largest_linear * checkpoint_bytes + adapter
         gpu = base + adapter  # bitsandbytes places the whole quantized model on each rank's GPU

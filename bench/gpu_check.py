@@ -13,7 +13,9 @@ machine's own. Then, each part recorded even when another fails:
    matmul peak measured on the spot, max_memory_allocated / reserved; which attention ran.
 2. launchers: each shipped accelerate config with `--num_processes 1` (FSDP1 QLoRA + CPU offload, FSDP2 LoRA, ZeRO-3
    LoRA, ZeRO-3 QLoRA) on a 1.1B random Llama, 5 steps, the final save, then the adapter reloaded on the base as
-   train.py builds it and its logits compared with the trained model's.
+   train.py builds it and its logits compared with the trained model's; the peak host RSS and CUDA allocation of
+   each phase (read, wrap, shard, train, save) from run_summary.json. Under FSDP the weights take the sharded-loading
+   path (sharding.py: read and quantized in host RAM, broadcast from rank 0) even on one process.
 3. loading: with the environment the QLoRA FSDP launcher exports, where the 4-bit weights land and the GPU memory
    allocated right after `from_pretrained`.
 
@@ -198,7 +200,8 @@ def launcher(name: str, model_dir: Path, work: Path, dry_run: bool) -> dict:
     difference = (logits - trained.cpu()).abs().max().item()
     scale = trained.abs().max().item()
     losses = [entry["loss"] for entry in report["log_history"] if "loss" in entry]
-    return {**row, "distributed_type": report["distributed_type"], "losses": losses,
+    memory = json.loads((out / "run_summary.json").read_text())["results"]["memory_by_rank"][0]
+    return {**row, "distributed_type": report["distributed_type"], "losses": losses, "memory_by_phase": memory,
             "logits_max_abs_difference": difference, "logits_max_abs": scale,
             "passed": len(losses) == 5 and difference <= 0.02 * scale}
 

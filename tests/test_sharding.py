@@ -60,6 +60,8 @@ def test_one_rank_reads_and_only_the_adapter_is_gathered_as_planned(smol_dir, ch
                  "save host rank 0": planned.phases["save"]["host rank 0"]}
     # Saving gathers the adapter alone (tens of MB), not the base (0.1-0.5 GiB here).
     assert measured["save host rank 0"] < predicted["save host rank 0"] + 0.02 < 0.3 * model_gib, measured
+    print(method, {key: (round(predicted[key], 3), round(measured[key], 3)) for key in measured},
+          "rank 1 read", round(rank1["read"]["host_growth_gib"], 4), "of", round(model_gib, 3))
     for key in measured:  # within 15%, or 10 MiB for the smallest quantities
         assert abs(measured[key] - predicted[key]) <= max(0.15 * predicted[key], 10 / 1024), (key, measured, predicted)
 
