@@ -200,8 +200,8 @@ def ram_efficient_without_sync(s: Configuration) -> Problem | None:
 def zero3_qlora_loading(s: Configuration) -> Problem | None:
     if s.quantized_4bit and s.launch.zero_stage == 3:
         return Problem("warning", "QLoRA with ZeRO-3", "transformers builds 4-bit models outside zero.Init: every rank "
-                       "reads and quantizes the whole model onto its own GPU, and DeepSpeed partitions the 4-bit weights "
-                       "only at initialize", "budget one whole 4-bit model per GPU for loading, or use FSDP QLoRA, "
+                       "reads and quantizes the whole model onto its own GPU, and DeepSpeed partitions the 4-bit "
+                       "weights only at initialize", "budget one whole 4-bit model per GPU for loading, or use FSDP QLoRA, "
                        "where rank 0 reads and quantizes in host RAM (configs/fsdp_config_qlora.yaml)")
     return None
 

@@ -259,7 +259,8 @@ def train(trainer, config: Configuration):
 
 def save_adapter(trainer) -> None:
     """The final folder is a plain PEFT adapter. Under FSDP only the trainable parameters are gathered, onto rank 0
-    (sharding.gather_adapter), never the frozen base; ZeRO-3 does the same in the Trainer (exclude_frozen_parameters)."""
+    (sharding.gather_adapter), never the frozen base; ZeRO-3 does the same in the Trainer
+    (exclude_frozen_parameters)."""
     if trainer.is_fsdp_enabled:
         trainer._save(trainer.args.output_dir, state_dict=gather_adapter(trainer.model))
     else:

@@ -102,21 +102,13 @@ def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, chat_dir, tmp
     torch.testing.assert_close(logits, torch.load(tmp_path / "fsdp" / "sharded_logits.pt"),
                                **(dict(rtol=0, atol=0) if quantized else dict(rtol=0, atol=1e-5)))
 
+    if not quantized:  # the intermediate FSDP checkpoint (DCP shards) becomes the adapter the final save wrote
+        from export import consolidate
 
-def test_sharded_checkpoint_consolidates_into_the_adapter(tiny_model_dir, chat_dir, tmp_path):
-    """The intermediate FSDP checkpoint (DCP shards) of a 2-process run becomes a plain adapter folder that holds
-    exactly what the run's final full-state-dict save wrote at the same step."""
-    from export import consolidate
-
-    launch_two_processes(recipe_args(tiny_model_dir, chat_dir, tmp_path / "fsdp", 2, False),
-                         REPO_DIR / "configs" / "fsdp2_config.yaml")
-    checkpoint = tmp_path / "fsdp" / "checkpoint-3"
-    assert (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file()
-    assert not (checkpoint / "adapter_model.safetensors").exists()  # sharded: not loadable as it is
-    adapter = consolidate(checkpoint)
-    consolidated, final = load_file(adapter / "adapter_model.safetensors"), load_file(
-        tmp_path / "fsdp" / "adapter_model.safetensors")
-    assert consolidated.keys() == final.keys()
-    for name in final:
-        assert torch.equal(consolidated[name], final[name])
-    PeftModel.from_pretrained(base_model(recipe_args(tiny_model_dir, chat_dir, tmp_path / "x", 4, False)), adapter)
+        checkpoint = tmp_path / "fsdp" / "checkpoint-3"
+        assert (checkpoint / "pytorch_model_fsdp_0" / ".metadata").is_file()
+        assert not (checkpoint / "adapter_model.safetensors").exists()  # sharded: not loadable as it is
+        consolidated = load_file(consolidate(checkpoint) / "adapter_model.safetensors")
+        assert consolidated.keys() == sharded_adapter.keys()
+        for name in sharded_adapter:
+            assert torch.equal(consolidated[name], sharded_adapter[name])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from memory import GIB, Run, Shapes, load_config, plan
+from memory import Run, Shapes, load_config, plan
 
 pytestmark = pytest.mark.multiprocess
 
