@@ -88,6 +88,24 @@ def tiny_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def wide_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A 2-layer Llama whose weights are mostly its 512-wide embedding (0.1 GiB in fp32): big enough for memory to be
+    measured above the runtime's noise, small enough to step in a second."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                         bos_token_id=smol_tokenizer.bos_token_id, eos_token_id=smol_tokenizer.eos_token_id,
+                         pad_token_id=smol_tokenizer.pad_token_id, tie_word_embeddings=True)
+    out = tmp_path_factory.mktemp("wide-llama")
+    LlamaForCausalLM(config).save_pretrained(out)
+    smol_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def chat_dir(tmp_path_factory) -> Path:
     """A small copy of the demo data: 64 train and 8 test conversations."""
     out = tmp_path_factory.mktemp("dates")

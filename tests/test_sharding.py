@@ -1,5 +1,5 @@
 """How weights reach the ranks of a sharded run and how the adapter leaves them (sharding.py), measured on 2 gloo
-processes with the real SmolLM2-135M: what each rank holds while loading and saving, against the memory plan."""
+processes: what each rank holds while loading and saving, against the memory plan."""
 
 import json
 import os
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.multiprocess
 
 
 def two_process_run(model_dir, data_dir, out, *extra):
-    """train.py under `accelerate launch` with the shipped FSDP2 config, one step, no checkpoints.
+    """train.py under `accelerate launch` with the shipped FSDP2 config, one step, no checkpoints, on a model that is
+    mostly its embedding (0.1 GiB: above the runtime's noise, quick to step).
 
     glibc keeps freed blocks up to its dynamic mmap threshold (up to 32 MB) for reuse, which hides what the code frees
     and keeps; a fixed threshold makes the RSS follow what the program holds (measured: the train phase of the LoRA
@@ -39,14 +40,14 @@ def load_growth(phases: dict) -> float:
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_one_rank_reads_and_only_the_adapter_is_gathered_as_planned(smol_dir, chat_dir, tmp_path, method):
-    by_rank = two_process_run(smol_dir, chat_dir, tmp_path / "run",
+def test_one_rank_reads_and_only_the_adapter_is_gathered_as_planned(wide_model_dir, chat_dir, tmp_path, method):
+    by_rank = two_process_run(wide_model_dir, chat_dir, tmp_path / "run",
                               *(["--use_4bit_quantization", "true", "--bnb_4bit_compute_dtype", "float32"]
                                 if method == "qlora" else []))  # fp32 compute: bf16 is emulated on many CPUs
     # As configuration.planned_run describes these runs: fp32 LoRA, or 4-bit with the rest in the bf16 storage dtype
     run = Run(method=method, engine="fsdp", gpus=2, device="cpu", precision="bf16" if method == "qlora" else "fp32",
               checkpoint_dtype="float32", batch=1, seq=512, lora_r=16, nested_quant=False, optimizer="adamw")
-    shapes = Shapes.of(load_config(str(smol_dir)))
+    shapes = Shapes.of(load_config(str(wide_model_dir)))
     planned = plan(shapes, run)
     model_gib = plan(shapes, replace(run, engine="none", gpus=1)).host["weights (frozen)"]  # the base, loaded
     rank0, rank1 = by_rank
@@ -58,10 +59,10 @@ def test_one_rank_reads_and_only_the_adapter_is_gathered_as_planned(smol_dir, ch
     predicted = {"load host rank 0": planned.phases["load"]["host rank 0"],
                  "load host other rank": planned.phases["load"]["host other rank"],
                  "save host rank 0": planned.phases["save"]["host rank 0"]}
-    # Saving gathers the adapter alone (tens of MB), not the base (0.1-0.5 GiB here).
-    assert measured["save host rank 0"] < predicted["save host rank 0"] + 0.02 < 0.3 * model_gib, measured
     print(method, {key: (round(predicted[key], 3), round(measured[key], 3)) for key in measured},
           "rank 1 read", round(rank1["read"]["host_growth_gib"], 4), "of", round(model_gib, 3))
+    # Saving gathers the adapter alone (a few MB here), not the base.
+    assert predicted["save host rank 0"] < 0.1 * model_gib, predicted
     for key in measured:  # within 15%, or 10 MiB for the smallest quantities
         assert abs(measured[key] - predicted[key]) <= max(0.15 * predicted[key], 10 / 1024), (key, measured, predicted)
 
