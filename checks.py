@@ -197,15 +197,6 @@ def ram_efficient_without_sync(s: Configuration) -> Problem | None:
     return None
 
 
-def zero3_qlora_loading(s: Configuration) -> Problem | None:
-    if s.quantized_4bit and s.launch.zero_stage == 3:
-        return Problem("warning", "QLoRA with ZeRO-3", "transformers builds 4-bit models outside zero.Init: every rank "
-                       "reads and quantizes the whole model onto its own GPU, and DeepSpeed partitions the 4-bit "
-                       "weights only at initialize", "budget one whole 4-bit model per GPU for loading, or use FSDP QLoRA, "
-                       "where rank 0 reads and quantizes in host RAM (configs/fsdp_config_qlora.yaml)")
-    return None
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # FSDP and DeepSpeed settings
 
@@ -360,7 +351,7 @@ def host_ram_by_phase(s: Configuration) -> Problem | None:
 RULES: list[Callable[[Configuration], Problem | None]] = [
     model_source, tokenizer_builds, dataset_source, flash_attention, bf16_support, fp16_without_gpu, engine_without_gpu,
     quant_storage_dtype, eight_bit_with_fsdp, bnb_optimizer_with_fsdp, qlora_fsdp_loading, ram_efficient_without_sync,
-    zero3_qlora_loading, compile_with_fsdp1, two_activation_checkpointings,
+    compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,
     added_tokens_under_fsdp, no_layer_class_to_wrap, output_dir_holds_another_run, output_dir_writable,
     resume_checkpoint, memory_fit, host_ram_by_phase,

@@ -135,6 +135,7 @@ class Configuration:
     device_map: dict | None = None  # from_pretrained's placement (4-bit on one GPU: bnb quantizes while placing;
     # {"": "meta"}: this rank reads nothing and receives its weights from rank 0)
     max_length: int | None = None  # tokens per example as the recipe truncates (TRL's own is None when padding-free)
+    weights_from_rank0: bool = False  # rank 0 reads the checkpoint, the other ranks receive their shards (sharding.py)
     cpu_fsdp: bool = False  # FSDP on a host without accelerator (accelerate alone would fall back to DDP)
     environment: dict[str, str] = field(default_factory=dict)  # exported before the trainer is built
     publish_to: str | None = None  # the Hub repo export.publish uploads to at the end (the Trainer never pushes)
@@ -212,12 +213,15 @@ def settle(request: Request, facts: Facts) -> Configuration:
     if config.quantized_4bit and facts.gpu_here and not facts.launch.sharded:
         config.device_map = {"": facts.launch.local_rank}
         decisions.append(Decision("device_map", config.device_map, "bitsandbytes quantizes while placing on the GPU"))
-    if facts.launch.weights_from_rank0:
+    zero3_4bit = facts.launch.zero_stage == 3 and config.quantized_4bit  # transformers' zero.Init skips 4-bit models
+    config.weights_from_rank0 = facts.launch.weights_from_rank0 or zero3_4bit
+    if config.weights_from_rank0:
         config.device_map = {"": "cpu"} if facts.launch.rank == 0 else {"": "meta"}
-        decisions.append(Decision("loading", "rank 0 reads, the other ranks receive", "fsdp_cpu_ram_efficient_loading: "
-                                  "rank 0 reads the checkpoint into host RAM" + (" and quantizes it there (never the "
-                                  "whole 4-bit model on one GPU)" if config.quantized_4bit else "") + "; the other "
-                                  "ranks build on the meta device and receive their shards from it (sharding.py)"))
+        decisions.append(Decision("loading", "rank 0 reads, the other ranks receive", (
+            "ZeRO-3 with a 4-bit model" if zero3_4bit else "fsdp_cpu_ram_efficient_loading") + ": rank 0 reads the "
+            "checkpoint into host RAM" + (" and quantizes it there (never the whole 4-bit model on one GPU)"
+                                          if config.quantized_4bit else "") + "; the other ranks build on the meta "
+            "device and receive their shards from it (sharding.py)"))
     config.cpu_fsdp = facts.launch.fsdp and not facts.cuda
     if config.cpu_fsdp:
         decisions.append(Decision("FSDP on CPU", True, "accelerate would fall back to DDP without an accelerator; the "
@@ -260,7 +264,7 @@ def planned_run(config: Configuration):
                lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout,
                nested_quant=config.model.use_nested_quant, device="cuda" if config.facts.cuda else "cpu",
                precision="bf16" if training.bf16 or config.quantized_4bit else "fp32",
-               fsdp_version=launch.fsdp_version, weights_from_rank0=launch.weights_from_rank0,
+               fsdp_version=launch.fsdp_version, weights_from_rank0=config.weights_from_rank0,
                checkpoint_dtype=checkpoint_dtype(config.facts.model_config))
 
 

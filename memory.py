@@ -330,12 +330,12 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
         gpu = own_shard + layer
         p.assumptions.append("load: zero.Init partitions each layer as it is built; rank 0 reads the checkpoint "
                              "(memory-mapped) and the layer being loaded is gathered whole on each GPU")
-    elif zero3:
-        rank0 = other = shapes.largest_linear * checkpoint_bytes + adapter
-        gpu = base + adapter  # bitsandbytes places the whole quantized model on each rank's GPU
-        p.assumptions.append("load: transformers builds 4-bit models outside zero.Init, so every rank reads and "
-                             "quantizes the whole model onto its own GPU; DeepSpeed partitions the 4-bit weights at "
-                             "initialize (measured on 2 CPU processes: each rank kept half)")
+    elif zero3:  # 4-bit: sharding.partition_from_rank0, one module at a time
+        rank0, other = reader + adapter, quant_state + adapter
+        gpu = own_shard + quant_state + adapter + 2 * largest
+        p.assumptions.append("load: rank 0 reads and quantizes the checkpoint in host RAM, the other ranks build on the "
+                             "meta device; DeepSpeed broadcasts and partitions one module at a time (measured on 2 CPU "
+                             "processes: each rank kept half of the 4-bit weights, logits equal to one process's)")
     else:  # every rank reads the whole model
         if on_gpu and qlora:
             gpu, rank0 = base + adapter, shapes.largest_linear * checkpoint_bytes

@@ -1,11 +1,13 @@
 """How the weights of a sharded run reach the ranks, and how the trained adapter leaves them.
 
-Load (FSDP with `fsdp_cpu_ram_efficient_loading: true`; configuration.settle decides, utils.build_model loads):
+Load (FSDP with `fsdp_cpu_ram_efficient_loading: true`, and ZeRO-3 with a 4-bit model; configuration.settle decides,
+utils.build_model loads):
 - global rank 0 reads the checkpoint into host RAM; a 4-bit model is quantized there too, on bitsandbytes' CPU
   backend, so the whole quantized model never sits on one GPU;
 - every other rank builds the same module tree on the meta device and reads nothing;
-- the engine delivers the weights: accelerate's FSDP2 broadcast of rank 0's full state dict into the shards, or FSDP1's
-  `sync_module_states`. Rank 0 alone broadcasts, so reading on one rank per machine would only waste host RAM.
+- the engine delivers the weights: accelerate's FSDP2 broadcast of rank 0's full state dict into the shards, FSDP1's
+  `sync_module_states`, or DeepSpeed's conversion of a built module (`partition_from_rank0`). Rank 0 alone
+  broadcasts, so reading on one rank per machine would only waste host RAM.
 Two things no engine carries are sent from rank 0 here (`receive_from_rank0`): each 4-bit layer's quantization state
 (absmax, code, nested statistics: 1/32 of the 4-bit bytes with nested quantization, 1/8 without; replicated, as
 bitsandbytes needs it whole), and the non-persistent buffers (rotary frequencies), which are in no state dict.
@@ -53,9 +55,16 @@ def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
                 module._buffers[name] = value.to(device)
 
 
-def hand_to_the_engine(model: torch.nn.Module) -> None:
+def zero3_config() -> dict:
+    """The DeepSpeed config the Trainer registered with transformers (what zero.Init uses when transformers builds)."""
+    from transformers.integrations.deepspeed import deepspeed_config
+
+    return deepspeed_config()
+
+
+def hand_to_the_engine(model: torch.nn.Module, zero3: dict | None = None, device: torch.device | None = None) -> None:
     """Ready the PEFT-wrapped model for the engine's broadcast from rank 0. Call after PEFT has wrapped the layers and
-    before the engine prepares the model.
+    before the engine prepares the model. ZeRO-3 (`zero3`: its config): partition_from_rank0, onto `device`.
 
     - Each 4-bit weight becomes a plain frozen parameter (real on rank 0, meta elsewhere) that the engine broadcasts
       and shards like any other; its quantization state stays on the module, where bitsandbytes finds it when the
@@ -66,6 +75,9 @@ def hand_to_the_engine(model: torch.nn.Module) -> None:
       sharded version by its data pointer: on the meta device they all point to 0, every optimizer slot would map to
       one parameter, and the other ranks would silently train the wrong weights (seen: losses off from step 2).
       These are the adapter's parameters only, a few MB."""
+    if zero3 is not None:
+        partition_from_rank0(model, zero3, device or torch.device("cpu"))
+        return
     for module in model.modules():
         if is_4bit_layer(module) and type(module.weight).__name__ == "Params4bit":
             module.weight = torch.nn.Parameter(module.weight.data, requires_grad=False)
@@ -76,6 +88,45 @@ def hand_to_the_engine(model: torch.nn.Module) -> None:
                 if id(param) not in materialized:
                     materialized[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"))
                 module._parameters[name] = materialized[id(param)]
+
+
+def partition_from_rank0(model: torch.nn.Module, zero3_config: dict, device: torch.device) -> None:
+    """ZeRO-3: DeepSpeed's own conversion (zero.Init on a built module) broadcasts each parameter from rank 0 and keeps
+    this rank's partition, but it first moves the parameter to the device, which a meta tensor cannot do. So convert
+    one module at a time: its meta parameters get real (uninitialised) storage on the device, then DeepSpeed
+    broadcasts and partitions them; a rank > 0 never holds more than one module's weights. 4-bit weights stay
+    bitsandbytes Params4bit objects, with their quantization state, as bitsandbytes needs them under ZeRO-3."""
+    import deepspeed
+    from bitsandbytes.nn import Params4bit
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    converted: dict[int, torch.nn.Parameter] = {}  # a parameter shared by two modules is converted once
+    first = None
+    for module in reversed(list(model.modules())):  # children before their parents
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) in converted:
+                module._parameters[name] = converted[id(param)]
+                continue
+            if param.device.type == "meta":
+                storage = torch.empty(param.shape, dtype=param.dtype, device=device)
+                if isinstance(param, Params4bit):
+                    state = param.quant_state
+                    real = Params4bit(storage, requires_grad=False, quant_state=state, blocksize=state.blocksize,
+                                      compress_statistics=state.nested, quant_type=state.quant_type,
+                                      quant_storage=param.dtype, module=module, bnb_quantized=True)
+                else:
+                    real = torch.nn.Parameter(storage, requires_grad=param.requires_grad)
+                converted[id(param)] = module._parameters[name] = real
+        params = [p for p in module._parameters.values() if p is not None and not is_zero_param(p)]
+        if not params:
+            continue
+        if first is None:
+            deepspeed.zero.Init(module=module, config_dict_or_path=zero3_config)
+            first = params[0]
+        else:
+            first.convert_to_zero_parameters(param_list=params)
 
 
 def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -34,7 +34,7 @@ from export import publish
 from fast_paths import score_labelled_positions_only
 from memory import PhasePeaks
 from report import TRAINING_KEYS, write_run_report
-from sharding import gather_adapter, hand_to_the_engine
+from sharding import gather_adapter, hand_to_the_engine, zero3_config
 from training_data import DataError, TrainingData, prepare, summarize
 from utils import build_model, build_peft_config
 
@@ -153,7 +153,7 @@ def load_data(config: Configuration) -> TrainingData:
 def build_base_model(config: Configuration):
     return build_model(config.model, config.facts.tokenizer, config.facts.added_token_ids, dtype=config.dtype,
                        attention=config.attention, device_map=config.device_map,
-                       weights_from_rank0=config.launch.weights_from_rank0, device=config.training.device,
+                       weights_from_rank0=config.weights_from_rank0, device=config.training.device,
                        trust_remote_code=config.training.trust_remote_code, token=config.hub_token)
 
 
@@ -221,8 +221,9 @@ def build_trainer(config: Configuration, model, data: TrainingData):
         peft_config=build_peft_config(config.model, config.facts.added_token_ids),
         callbacks=[step_times],
     )
-    if config.launch.weights_from_rank0:
-        hand_to_the_engine(trainer.model)  # the engine broadcasts rank 0's weights (sharding.py)
+    if config.weights_from_rank0:  # the engine broadcasts rank 0's weights (sharding.py)
+        hand_to_the_engine(trainer.model, zero3_config() if config.launch.zero_stage == 3 else None,
+                           config.training.device)
     if config.uses_peft and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
     return trainer, step_times

@@ -7,6 +7,7 @@ environment; `configuration.settle` decides what they are given.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -182,16 +183,17 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     if attention == ATTENTION:
         register_attention()
     quantization_config = build_quantization_config(model_args)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path,
-        dtype=dtype,
-        quantization_config=quantization_config,
-        attn_implementation=attention,
-        trust_remote_code=trust_remote_code,  # off unless asked: it runs the Hub repo's code
-        device_map=device_map,
-        use_safetensors=True,  # never unpickle weights
-        token=token,
-    )
+    with zero3_config_hidden(weights_from_rank0 and quantization_config is not None):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_args.model_name_or_path,
+            dtype=dtype,
+            quantization_config=quantization_config,
+            attn_implementation=attention,
+            trust_remote_code=trust_remote_code,  # off unless asked: it runs the Hub repo's code
+            device_map=device_map,
+            use_safetensors=True,  # never unpickle weights
+            token=token,
+        )
     if added_token_ids:
         # Mean-resizing reads the existing rows: not on the meta device (rank 0's rows are broadcast over them anyway)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=device_map != {"": "meta"})
@@ -210,6 +212,23 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+@contextlib.contextmanager
+def zero3_config_hidden(hide: bool):
+    """transformers refuses a device_map under ZeRO-3, which rank 0 / meta loading needs; for a 4-bit model the ZeRO-3
+    config changes nothing else while loading (transformers builds quantized models outside zero.Init)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    reference = hf_deepspeed._hf_deepspeed_config_weak_ref
+    if not (hide and hf_deepspeed.is_deepspeed_zero3_enabled()):
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(reference())
 
 
 def build_peft_config(model_args, added_token_ids: list[int]):

@@ -23,20 +23,23 @@ sys.path.insert(0, str(REPO))
 PROBE = "Convert this date to ISO format (YYYY-MM-DD): May 1, 2000"
 
 
-def build(model_dir: str, method: str):
-    """The base model and tokenizer as train.py builds them, then the recipe's LoRA adapter (seeded)."""
+def build(model_dir: str, method: str, from_rank0: bool = False):
+    """The base model and tokenizer as train.py builds them, then the recipe's LoRA adapter (seeded). `from_rank0`:
+    rank 0 reads, the other ranks build on the meta device (sharding.py)."""
     import torch
     from peft import get_peft_model
 
     from arguments import ModelArguments
     from utils import build_model, build_peft_config, build_tokenizer
 
-    quantized = method == "qlora"
+    quantized = method.startswith("qlora")
     args = ModelArguments(model_name_or_path=model_dir, use_4bit_quantization=quantized,
                           bnb_4bit_quant_storage_dtype="bfloat16", use_peft_lora=True)
     tokenizer, added = build_tokenizer(args)
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     model = build_model(args, tokenizer, added, dtype=torch.bfloat16 if quantized else torch.float32,
-                        attention="sdpa")
+                        attention="sdpa", weights_from_rank0=from_rank0,
+                        device_map=({"": "cpu"} if rank0 else {"": "meta"}) if from_rank0 else None)
     torch.manual_seed(0)
     return get_peft_model(model, build_peft_config(args, added)), tokenizer
 
@@ -58,13 +61,21 @@ def worker(model_dir: str, method: str, out: str) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3}, "bf16": {"enabled": method == "qlora"},
+              "zero_optimization": {"stage": 3}, "bf16": {"enabled": method.startswith("qlora")},
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     zero3 = HfDeepSpeedConfig(config)  # noqa: F841  (kept alive: transformers reads it while loading)
+    import bitsandbytes  # noqa: F401  (imported before the phases, as train.py has by then)
+    import peft  # noqa: F401
+
     peaks = PhasePeaks()
     peaks.start("read")
-    model, tokenizer = build(model_dir, method)
+    from_rank0 = method.endswith("rank0")
+    model, tokenizer = build(model_dir, method, from_rank0)
     peaks.start("partition")
+    if from_rank0:
+        from sharding import partition_from_rank0
+
+        partition_from_rank0(model, config, torch.device("cpu"))
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     peaks.end()
@@ -109,7 +120,7 @@ def main() -> None:
         worker(*sys.argv[2:])
         return
     model_dir, work = str(convert_default_model()), Path(tempfile.mkdtemp())
-    for method in ("lora", "qlora"):
+    for method in ("lora", "qlora", "qlora-rank0"):  # qlora-rank0: as train.py loads it
         print(json.dumps(measure(model_dir, method, work / method)), flush=True)
 
 

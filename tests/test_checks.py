@@ -59,8 +59,6 @@ CASES = [
     (checks.host_ram_by_phase,
      ([], launch("fsdp2_config.yaml"), {"model_config": load_config("smollm2-135m"), "host_gib": 0.5}),
      ([], launch("fsdp2_config.yaml"), {"model_config": load_config("smollm2-135m"), "host_gib": 64}), "warning"),
-    (checks.zero3_qlora_loading,
-     (QLORA, launch("deepspeed_config_z3_qlora.yaml"), {}), ([], launch("deepspeed_config.yaml"), {}), "warning"),
     (checks.compile_with_fsdp1,
      (["--torch_compile", "true"], launch("fsdp_config.yaml"), {}),
      (["--torch_compile", "true"], launch("fsdp2_config.yaml"), {}), "error"),
