@@ -4,7 +4,8 @@
 
 DeepSpeed through accelerate's Trainer does not run on a CPU host, but DeepSpeed itself does (its CPU accelerator picks
 gloo). So this builds the model exactly as train.py does (utils.build_model under transformers' ZeRO-3 config, then
-PEFT), hands it to `deepspeed.initialize` with a stage-3 config on 2 processes, and records for LoRA and QLoRA:
+PEFT), hands it to `deepspeed.initialize` with a stage-3 config on 2 processes, and records for LoRA, QLoRA as
+transformers loads it, and QLoRA as train.py loads it (qlora-rank0: rank 0 reads, sharding.partition_from_rank0):
 each rank's anonymous-RSS growth while reading the model and while DeepSpeed partitions it (memory.PhasePeaks), how
 much of the frozen weights each rank keeps, and the logits of the partitioned model against one process's load of the
 same model with the same adapter initialisation. The memory planner's ZeRO-3 assumptions come from these numbers.
