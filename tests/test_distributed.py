@@ -32,7 +32,7 @@ def launch_two_processes(args, config):
     """`accelerate launch` with a shipped FSDP2 config, as on GPUs, with only the process count and precision changed."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", str(WORKER), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}  # see test_sharding.two_process_run
     result = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
@@ -42,9 +42,11 @@ def losses(history):
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora-4bit-bf16-storage"])
-def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, chat_dir, tmp_path, quantized):
+def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, wide_model_dir, chat_dir, tmp_path, quantized):
+    # LoRA on the wide model, whose loading and saving memory is large enough to measure against the plan
+    model_dir = tiny_model_dir if quantized else wide_model_dir
     config = REPO_DIR / "configs" / "fsdp2_config.yaml"
-    launch_two_processes(recipe_args(tiny_model_dir, chat_dir, tmp_path / "fsdp", 2, quantized), config)
+    launch_two_processes(recipe_args(model_dir, chat_dir, tmp_path / "fsdp", 2, quantized), config)
     ranks = [json.loads((tmp_path / "fsdp" / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     # The real FSDP path ran, not the DDP fallback accelerate picks on CPU by itself.
@@ -58,7 +60,7 @@ def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, chat_dir, tmp
         assert all(p["dtensor"] and not p["trainable"] for p in frozen.values())  # 4-bit weights too: bf16 storage
         assert sum(p["local_numel"] for p in frozen.values()) < 0.6 * sum(p["numel"] for p in frozen.values())
 
-    single, _ = train.run(recipe_args(tiny_model_dir, chat_dir, tmp_path / "single", 4, quantized))
+    single, _ = train.run(recipe_args(model_dir, chat_dir, tmp_path / "single", 4, quantized))
     two, one = losses(ranks[0]["log_history"]), losses(single.state.log_history)
     assert len(two) == len(one) == 3
     # gloo has been reported to sum FSDP2 gradients instead of averaging them: the grad norm would double
@@ -82,7 +84,7 @@ def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, chat_dir, tmp
         from bitsandbytes.nn import Linear4bit
 
         single_layers = {name: module for name, module in base_model(recipe_args(
-            tiny_model_dir, chat_dir, tmp_path / "unused", 4, True)).named_modules() if isinstance(module, Linear4bit)}
+            model_dir, chat_dir, tmp_path / "unused", 4, True)).named_modules() if isinstance(module, Linear4bit)}
         for rank in (0, 1):
             layers = torch.load(tmp_path / "fsdp" / f"rank{rank}_4bit.pt")
             assert layers.keys() == single_layers.keys() and layers
@@ -94,13 +96,19 @@ def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, chat_dir, tmp
                 assert layer["shape"] == tuple(reference.quant_state.shape), name
 
     # The final save is a plain adapter: one process reloads it to the sharded model's logits.
-    base = base_model(recipe_args(tiny_model_dir, chat_dir, tmp_path / "unused", 4, quantized))
+    base = base_model(recipe_args(model_dir, chat_dir, tmp_path / "unused", 4, quantized))
     reloaded = PeftModel.from_pretrained(base, tmp_path / "fsdp", autocast_adapter_dtype=not quantized).eval()
     batch = single.processing_class([PROBE], return_tensors="pt")
     with torch.no_grad():
         logits = reloaded(**batch).logits.float()
     torch.testing.assert_close(logits, torch.load(tmp_path / "fsdp" / "sharded_logits.pt"),
                                **(dict(rtol=0, atol=0) if quantized else dict(rtol=0, atol=1e-5)))
+
+    if not quantized:  # what each rank held while loading and saving, against the plan
+        from test_sharding import assert_phases_as_planned
+
+        summary = json.loads((tmp_path / "fsdp" / "run_summary.json").read_text())
+        assert_phases_as_planned(summary["results"]["memory_by_rank"], model_dir, "lora")
 
     if not quantized:  # the intermediate FSDP checkpoint (DCP shards) becomes the adapter the final save wrote
         from export import consolidate
