@@ -280,7 +280,8 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     n = max(run.gpus, 1)
     weight_bytes = 2 if run.precision == "bf16" else 4
     qlora = run.method == "qlora"
-    quant_state = shapes.linear * ((NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES) - 0.5) if qlora else 0
+    quant = NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES
+    quant_state = shapes.linear * (quant - 0.5) if qlora else 0
     shardable = base - quant_state  # the quantization state is not sharded: every rank keeps it whole
     embedding = shapes.vocab * shapes.hidden * weight_bytes
     largest = max(embedding, shapes.largest_linear * (0.5 if qlora else weight_bytes))
@@ -299,13 +300,12 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     if fsdp_from_rank0 and run.fsdp_version == 1:
         # sync_module_states, unit by unit: rank 0 moves a unit to its GPU and broadcasts it flattened, every rank
         # keeps its slice; the unit's host copy on rank 0 is then released, so base + shards stay about one base.
-        unit = shapes.largest_layer * (NF4_NESTED_BYTES if qlora and run.nested_quant else NF4_BYTES if qlora
-                                       else weight_bytes)
-        rank0 = reader + adapter + (unit / n if shards_on_host else 0)
-        other = quant_state + adapter + (own_shard + unit / n if shards_on_host else 0)
+        unit = shapes.largest_layer * (quant if qlora else weight_bytes)
         if shards_on_host:  # the shards replace rank 0's host copy as it goes: about one base on the machine
-            rank0 = max(rank0, adapter + own_shard + unit)
+            rank0 = max(reader + adapter + unit / n, adapter + own_shard + unit)
             other = quant_state + adapter + unit / n
+        else:
+            rank0, other = reader + adapter, quant_state + adapter
         gpu = 0.0 if run.offload else own_shard + quant_state + adapter
         gpu += unit + unit / n if on_gpu else 0
         p.assumptions.append("load (FSDP1): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the "
@@ -333,9 +333,9 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     elif zero3:  # 4-bit: sharding.partition_from_rank0, one module at a time
         rank0, other = reader + adapter, quant_state + adapter
         gpu = own_shard + quant_state + adapter + 2 * largest
-        p.assumptions.append("load: rank 0 reads and quantizes the checkpoint in host RAM, the other ranks build on the "
-                             "meta device; DeepSpeed broadcasts and partitions one module at a time (measured on 2 CPU "
-                             "processes: each rank kept half of the 4-bit weights, logits equal to one process's)")
+        p.assumptions.append("load: rank 0 reads and quantizes the checkpoint in host RAM, the other ranks build on "
+                             "the meta device; DeepSpeed broadcasts and partitions one module at a time (measured on 2 "
+                             "CPU processes: each rank kept half of the 4-bit weights, logits equal to one process's)")
     else:  # every rank reads the whole model
         if on_gpu and qlora:
             gpu, rank0 = base + adapter, shapes.largest_linear * checkpoint_bytes

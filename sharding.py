@@ -27,12 +27,19 @@ def is_4bit_layer(module: torch.nn.Module) -> bool:
     return isinstance(module, Linear4bit)  # the bitsandbytes layer, not PEFT's LoRA wrapper of the same name
 
 
+def packed_4bit(data: torch.Tensor, state, module: torch.nn.Module):
+    """A bitsandbytes Params4bit holding already-quantized `data` (packed, in the float storage dtype) with `state`."""
+    from bitsandbytes.nn import Params4bit
+
+    return Params4bit(data, requires_grad=False, quant_state=state, blocksize=state.blocksize,
+                      compress_statistics=state.nested, quant_type=state.quant_type, quant_storage=data.dtype,
+                      module=module, bnb_quantized=True)
+
+
 def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
     """Rank 0 holds the loaded model, the other ranks its meta-device twin. Afterwards every rank has each 4-bit
     layer's quantization state (on `device`) and the non-persistent buffers; a 4-bit weight on the meta device takes
     the packed shape of rank 0's, as a bitsandbytes Params4bit (PEFT reads its quantization settings)."""
-    from bitsandbytes.nn import Params4bit
-
     rank0 = dist.get_rank() == 0
     for module in model.modules():
         if is_4bit_layer(module):
@@ -42,10 +49,7 @@ def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
             shape, dtype, state = message[0]
             state.to(device)  # moves absmax, code and the nested statistics in place
             if not rank0:
-                module.weight = Params4bit(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False,
-                                           quant_state=state, blocksize=state.blocksize,
-                                           compress_statistics=state.nested, quant_type=state.quant_type,
-                                           quant_storage=dtype, module=module, bnb_quantized=True)
+                module.weight = packed_4bit(torch.empty(shape, dtype=dtype, device="meta"), state, module)
             module.weight.quant_state = module.quant_state = state
         names = sorted(module._non_persistent_buffers_set)
         if names:
@@ -112,10 +116,7 @@ def partition_from_rank0(model: torch.nn.Module, zero3_config: dict, device: tor
             if param.device.type == "meta":
                 storage = torch.empty(param.shape, dtype=param.dtype, device=device)
                 if isinstance(param, Params4bit):
-                    state = param.quant_state
-                    real = Params4bit(storage, requires_grad=False, quant_state=state, blocksize=state.blocksize,
-                                      compress_statistics=state.nested, quant_type=state.quant_type,
-                                      quant_storage=param.dtype, module=module, bnb_quantized=True)
+                    real = packed_4bit(storage, param.quant_state, module)
                 else:
                     real = torch.nn.Parameter(storage, requires_grad=param.requires_grad)
                 converted[id(param)] = module._parameters[name] = real
@@ -130,10 +131,10 @@ def partition_from_rank0(model: torch.nn.Module, zero3_config: dict, device: tor
 
 
 def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The trainable parameters, whole, in host RAM on rank 0 (None on the other ranks): every rank takes part in
-    each gather. FSDP2 parameters are DTensors gathered one at a time; ZeRO-3 parameters are gathered by DeepSpeed;
-    FSDP1 units holding trainable parameters are gathered one unit at a time (PEFT's wrap policy gives each LoRA
-    layer its own unit), never the frozen ones."""
+    """The trainable parameters of an FSDP model, whole, in host RAM on rank 0 (None on the other ranks): every rank
+    takes part in each gather. FSDP2 parameters are DTensors gathered one at a time; FSDP1 units holding trainable
+    parameters are gathered one unit at a time (PEFT's wrap policy gives each LoRA layer its own unit), never the
+    frozen ones. (ZeRO-3 needs none of this: the Trainer saves with exclude_frozen_parameters.)"""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.tensor import DTensor
 
@@ -144,16 +145,9 @@ def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if hasattr(param, "ds_id"):  # a ZeRO-3 partition
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                whole = param.data.detach().cpu().clone() if rank0 else None
-        else:
-            whole = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-            whole = whole.cpu().clone() if rank0 else None
+        whole = param.full_tensor() if isinstance(param, DTensor) else param.detach()
         if rank0:
-            state[name] = whole
+            state[name] = whole.cpu().clone()
     return state if rank0 else None
 
 

@@ -2,13 +2,10 @@
 single-process run on the same global batch, and its final save reloads in one process to the same logits."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import PROBE, base_model, tiny_run_args
+from conftest import PROBE, base_model, launch_two_processes, tiny_run_args
 from peft import PeftModel
 from safetensors.torch import load_file
 
@@ -28,15 +25,6 @@ def recipe_args(model_dir, data_dir, out, batch_size, quantized):
                          *(["--use_4bit_quantization", "true"] if quantized else []))
 
 
-def launch_two_processes(args, config):
-    """`accelerate launch` with a shipped FSDP2 config, as on GPUs, with only the process count and precision changed."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", str(WORKER), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}  # see test_sharding.two_process_run
-    result = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-
-
 def losses(history):
     return [(entry["loss"], entry["grad_norm"]) for entry in history if "loss" in entry]
 
@@ -46,7 +34,7 @@ def test_fsdp_on_two_processes_matches_one_process(tiny_model_dir, wide_model_di
     # LoRA on the wide model, whose loading and saving memory is large enough to measure against the plan
     model_dir = tiny_model_dir if quantized else wide_model_dir
     config = REPO_DIR / "configs" / "fsdp2_config.yaml"
-    launch_two_processes(recipe_args(model_dir, chat_dir, tmp_path / "fsdp", 2, quantized), config)
+    launch_two_processes(WORKER, recipe_args(model_dir, chat_dir, tmp_path / "fsdp", 2, quantized), config)
     ranks = [json.loads((tmp_path / "fsdp" / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     # The real FSDP path ran, not the DDP fallback accelerate picks on CPU by itself.

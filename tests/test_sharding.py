@@ -10,27 +10,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, launch_two_processes
 from memory import Run, Shapes, load_config, plan
 
 pytestmark = pytest.mark.multiprocess
 
 
 def two_process_run(model_dir, data_dir, out, *extra):
-    """train.py under `accelerate launch` with the shipped FSDP2 config, one step, no checkpoints, on a model that is
-    mostly its embedding (0.1 GiB: above the runtime's noise, quick to step).
-
-    glibc keeps freed blocks up to its dynamic mmap threshold (up to 32 MB) for reuse, which hides what the code frees
-    and keeps; a fixed threshold makes the RSS follow what the program holds (measured: the train phase of the LoRA
-    run grew 0.88 GiB with glibc's default, 0.31 GiB with the threshold)."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp2_config.yaml",
-               "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", "train.py",
-               "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--splits", "train",
-               "--output_dir", str(out), "--max_steps", "1", "--per_device_train_batch_size", "1", "--bf16", "false",
-               "--eval_num_prompts", "0", "--disable_tqdm", "true", "--save_strategy", "no", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    """train.py under the shipped FSDP2 config, one step, no checkpoints, on a model that is mostly its embedding
+    (0.1 GiB: above the runtime's noise, quick to step); each rank's memory by phase."""
+    launch_two_processes(REPO / "train.py", [
+        "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--splits", "train", "--output_dir",
+        str(out), "--max_steps", "1", "--per_device_train_batch_size", "1", "--bf16", "false",
+        "--eval_num_prompts", "0", "--disable_tqdm", "true", "--save_strategy", "no", *extra])
     return json.loads((out / "run_summary.json").read_text())["results"]["memory_by_rank"]
 
 
