@@ -123,18 +123,6 @@ def fp16_without_gpu(s: Configuration) -> Problem | None:
     return None
 
 
-def engine_without_gpu(s: Configuration) -> Problem | None:
-    if s.facts.cuda or not s.facts.here:
-        return None
-    if s.launch.fsdp and s.launch.fsdp_version == 1:
-        return Problem("error", "FSDP1 without a GPU", "its module-state sync needs a device",
-                       "on CPU launch with an FSDP2 config, e.g. --config_file configs/fsdp2_config.yaml")
-    if s.launch.deepspeed:
-        return Problem("error", "DeepSpeed through accelerate without a GPU", "it does not run on CPU",
-                       "on CPU launch with configs/fsdp2_config.yaml, or without accelerate")
-    return None
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Quantization under sharding
 
@@ -349,7 +337,7 @@ def host_ram_by_phase(s: Configuration) -> Problem | None:
 
 
 RULES: list[Callable[[Configuration], Problem | None]] = [
-    model_source, tokenizer_builds, dataset_source, flash_attention, bf16_support, fp16_without_gpu, engine_without_gpu,
+    model_source, tokenizer_builds, dataset_source, flash_attention, bf16_support, fp16_without_gpu,
     quant_storage_dtype, eight_bit_with_fsdp, bnb_optimizer_with_fsdp, qlora_fsdp_loading, ram_efficient_without_sync,
     compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,

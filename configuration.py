@@ -136,7 +136,7 @@ class Configuration:
     # {"": "meta"}: this rank reads nothing and receives its weights from rank 0)
     max_length: int | None = None  # tokens per example as the recipe truncates (TRL's own is None when padding-free)
     weights_from_rank0: bool = False  # rank 0 reads the checkpoint, the other ranks receive their shards (sharding.py)
-    cpu_fsdp: bool = False  # FSDP on a host without accelerator (accelerate alone would fall back to DDP)
+    cpu_engine: str | None = None  # "fsdp" or "deepspeed" on a host without accelerator (accelerate would drop it)
     environment: dict[str, str] = field(default_factory=dict)  # exported before the trainer is built
     publish_to: str | None = None  # the Hub repo export.publish uploads to at the end (the Trainer never pushes)
     hub_token: str | None = field(default=None, repr=False)  # kept out of `training`, which is pickled to disk
@@ -217,15 +217,16 @@ def settle(request: Request, facts: Facts) -> Configuration:
     config.weights_from_rank0 = facts.launch.weights_from_rank0 or zero3_4bit
     if config.weights_from_rank0:
         config.device_map = {"": "cpu"} if facts.launch.rank == 0 else {"": "meta"}
-        decisions.append(Decision("loading", "rank 0 reads, the other ranks receive", (
-            "ZeRO-3 with a 4-bit model" if zero3_4bit else "fsdp_cpu_ram_efficient_loading") + ": rank 0 reads the "
+        reason = ("fsdp_cpu_ram_efficient_loading" if facts.launch.fsdp else "ZeRO-3 with a 4-bit model" if zero3_4bit
+                  else "ZeRO-3 with zero3_init_flag")
+        decisions.append(Decision("loading", "rank 0 reads, the other ranks receive", reason + ": rank 0 reads the "
             "checkpoint into host RAM" + (" and quantizes it there (never the whole 4-bit model on one GPU)"
                                           if config.quantized_4bit else "") + "; the other ranks build on the meta "
             "device and receive their shards from it (sharding.py)"))
-    config.cpu_fsdp = facts.launch.fsdp and not facts.cuda
-    if config.cpu_fsdp:
-        decisions.append(Decision("FSDP on CPU", True, "accelerate would fall back to DDP without an accelerator; the "
-                                  "recipe keeps FSDP2 over gloo (distributed.CpuFsdpSFTTrainer)"))
+    if not facts.cuda and (facts.launch.fsdp or facts.launch.deepspeed):
+        config.cpu_engine = "fsdp" if facts.launch.fsdp else "deepspeed"
+        decisions.append(Decision("engine on CPU", config.cpu_engine, "accelerate drops FSDP and DeepSpeed without an "
+                                  "accelerator; the recipe keeps them, over gloo (distributed.CpuEngineSFTTrainer)"))
     if training.torch_compile:
         config.environment, compiled = compile_settings(facts.launch.env)
         decisions.append(Decision("torch_compile", compiled, "regional compilation for any length, unless the "

@@ -10,9 +10,11 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 from trl import SFTTrainer
 
@@ -81,40 +83,113 @@ class Launch:
 
     @property
     def weights_from_rank0(self) -> bool:
-        """FSDP's RAM-efficient loading: rank 0 reads the checkpoint, the others receive their shards (sharding.py)."""
-        return self.fsdp and self.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
+        """FSDP's RAM-efficient loading, or ZeRO-3's partitioning at load (zero3_init_flag): rank 0 reads the
+        checkpoint, the others receive their shards (sharding.py)."""
+        if self.fsdp:
+            return self.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
+        return self.zero_stage == 3 and _flag(self.env, "ACCELERATE_DEEPSPEED_ZERO3_INIT")
 
 
-class CpuFsdpSFTTrainer(SFTTrainer):
-    """SFTTrainer that keeps FSDP on a host without an accelerator.
+class CpuEngineSFTTrainer(SFTTrainer):
+    """SFTTrainer that keeps FSDP or DeepSpeed on a host without an accelerator.
 
-    accelerate honours an FSDP plugin only on accelerator devices: on CPU it silently falls back to DDP over gloo (or,
-    without `use_cpu`, to N independent single-process runs), so the sharding code users run on GPUs would never be
-    exercised. FSDP2 itself (`fully_shard`) runs on CPU over gloo. So let the Trainer build its CPU Accelerator (which
-    sets up the gloo process group), then put back the FSDP decision accelerate dropped: the same plugin, read from
-    the same FSDP_* environment `accelerate launch` exports, and the same `accelerator.prepare` path as on GPUs.
-    FSDP1 cannot run this way (its module-state sync needs a device); checks.py refuses it on CPU."""
+    accelerate honours an FSDP plugin or a DeepSpeed launch only on accelerator devices: on CPU it silently falls back
+    to DDP over gloo (FSDP with `use_cpu`), or to one process that believes it is alone (DeepSpeed without it), so the
+    sharding code users run on GPUs would never be exercised. FSDP1, FSDP2 and DeepSpeed ZeRO-3 all run on CPU over
+    gloo. So let the Trainer build its CPU Accelerator (which sets up the gloo process group), then put back the
+    decision accelerate dropped: the FSDP plugin read from the same FSDP_* environment `accelerate launch` exports
+    (`cpu_fsdp_plugin`), or the DeepSpeed plugin the training arguments built from it; then the same
+    `accelerator.prepare` path runs as on GPUs. Set `engine` ("fsdp" or "deepspeed") in a subclass."""
+
+    engine = "fsdp"
 
     def create_accelerator_and_postprocess(self) -> None:
         from accelerate.state import PartialState
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+        from accelerate.utils import DistributedType
 
-        super().create_accelerator_and_postprocess()
-        plugin = FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_AUTO_WRAP_POLICY, ... from the env
+        launch = Launch.current()
+        with without_fsdp1_device_settings(launch):  # the Accelerator builds an FSDP plugin from the env, even on CPU
+            super().create_accelerator_and_postprocess()
         state = self.accelerator.state
-        state.distributed_type = DistributedType.FSDP
-        state.fsdp_plugin = plugin
-        # Every later AcceleratorState() re-reads the process-level state: record FSDP there too, as accelerate does
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        self.is_fsdp_enabled = True
+        if self.engine == "deepspeed":
+            from deepspeed import comm
+            from transformers.integrations.deepspeed import propagate_args_to_deepspeed
+
+            comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # over accelerate's process group
+            plugin = self.args.deepspeed_plugin  # TrainingArguments built it from the launch environment
+            plugin.select(_from_accelerator_state=True)
+            state.deepspeed_plugins, state.distributed_type = plugin, DistributedType.DEEPSPEED
+            self.accelerator.deepspeed_engine_wrapped = None
+            self.is_deepspeed_enabled = True
+            propagate_args_to_deepspeed(self.accelerator, self.args)  # batch size, accumulation, clipping, optimizer
+        else:
+            state.fsdp_plugin, state.distributed_type = cpu_fsdp_plugin(launch), DistributedType.FSDP
+            self.is_fsdp_enabled = True
+            if launch.fsdp_version == 1:  # FSDP1 compares device_id with torch.cpu.current_device(): "cpu", not "cpu:0"
+                state.device = PartialState._shared_state["device"] = torch.device("cpu")
+        # Every later AcceleratorState() re-reads the process-level state: record the engine there too, as accelerate
+        PartialState._shared_state["distributed_type"] = state.distributed_type
 
 
-def trainer_class(cpu_fsdp: bool) -> type[SFTTrainer]:
-    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py), kept on FSDP on a CPU host if asked."""
+CPU_FSDP1_OVERRIDES = {
+    "fsdp_offload_params": "off: the parameters already live in host RAM, and FSDP1's CPUOffload needs an accelerator",
+    "fsdp_sync_module_states": "kept: torch's own broadcast from rank 0 over gloo, once its 'CPU tensors need a GPU' "
+                               "guard is lifted (it guards NCCL, which cannot send host memory)",
+}
+
+
+def cpu_fsdp_plugin(launch: Launch):
+    """The FSDP plugin of this launch, built on a host without an accelerator.
+
+    FSDP2 builds as it is. FSDP1 differs where a CPU forces it (CPU_FSDP1_OVERRIDES): accelerate builds
+    `sync_module_states`' param_init_fn for the current GPU and raises without one, so the plugin is built without it
+    and given the same function for the CPU; torch refuses to sync CPU tensors (NCCL cannot send them), a guard this
+    process lifts since gloo can; and parameter offload, which needs an accelerator, is off (nothing to move)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    if launch.fsdp_version != 1:
+        return FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_AUTO_WRAP_POLICY, ... from the env
+    import torch.distributed.fsdp._init_utils as fsdp1_init
+    from torch.distributed.fsdp import CPUOffload
+
+    with without_fsdp1_device_settings(launch):
+        plugin = FullyShardedDataParallelPlugin()
+    plugin.cpu_ram_efficient_loading = launch.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
+    if launch.fsdp_setting("SYNC_MODULE_STATES") or plugin.cpu_ram_efficient_loading:
+        plugin.sync_module_states = True
+        plugin.param_init_fn = lambda module: module.to_empty(device="cpu", recurse=False)
+        fsdp1_init._check_module_states_for_sync_module_states = lambda states: None
+    plugin.cpu_offload = CPUOffload(offload_params=False)
+    return plugin
+
+
+@contextmanager
+def without_fsdp1_device_settings(launch: Launch):
+    """The FSDP1 settings whose plugin construction needs an accelerator switched off in this process's environment
+    (the environment is restored afterwards; cpu_fsdp_plugin puts their meaning back)."""
+    names = ("FSDP_SYNC_MODULE_STATES", "FSDP_CPU_RAM_EFFICIENT_LOADING")
+    saved = {name: os.environ.get(name) for name in names}
+    if launch.fsdp_version == 1:
+        os.environ.update(dict.fromkeys(names, "false"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def trainer_class(cpu_engine: str | None) -> type[SFTTrainer]:
+    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py), kept on FSDP or DeepSpeed (`cpu_engine`) on a
+    host without an accelerator."""
     from checkpoints import CompleteCheckpointsMixin
 
-    base = CpuFsdpSFTTrainer if cpu_fsdp else SFTTrainer
-    return type(f"Recipe{base.__name__}", (CompleteCheckpointsMixin, base), {})
+    if cpu_engine is None:
+        return type("RecipeSFTTrainer", (CompleteCheckpointsMixin, SFTTrainer), {})
+    return type(f"RecipeCpu{cpu_engine.title()}SFTTrainer", (CompleteCheckpointsMixin, CpuEngineSFTTrainer),
+                {"engine": cpu_engine})
 
 
 def launch_environment(launch_args: list[str]) -> dict[str, str]:

@@ -95,6 +95,11 @@ class Shapes:
     vocab: int
 
     @property
+    def outside_layers(self) -> int:
+        """Parameters outside the decoder layers (embedding, final norm, an untied head): FSDP's root unit."""
+        return self.total - self.num_layers * self.largest_layer
+
+    @property
     def linear_inputs(self) -> int:
         """Input width summed over one layer's linear modules (what each LoRA branch re-reads)."""
         return sum(d_in for d_in, _ in self.layer_linears)
@@ -298,20 +303,26 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     zero3 = run.engine == "deepspeed" and run.zero_stage == 3 and n > 1
     gpu, rank0, other = 0.0, 0.0, 0.0
     if fsdp_from_rank0 and run.fsdp_version == 1:
-        # sync_module_states, unit by unit: rank 0 moves a unit to its GPU and broadcasts it flattened, every rank
-        # keeps its slice; the unit's host copy on rank 0 is then released, so base + shards stay about one base.
-        unit = shapes.largest_layer * (quant if qlora else weight_bytes)
-        if shards_on_host:  # the shards replace rank 0's host copy as it goes: about one base on the machine
+        # sync_module_states, unit by unit (the decoder layers, then the root unit: embedding and head): the unit is
+        # materialized on every rank, broadcast from rank 0, flattened into one tensor and sliced.
+        unit = max(shapes.largest_layer * (quant if qlora else weight_bytes), shapes.outside_layers * weight_bytes)
+        if not on_gpu:
+            # Measured on 2 gloo processes: besides its slices (own_shard), a rank > 0 holds the unit and the
+            # broadcast's coalesced buffer or the flattened copy; rank 0 the flattened copy and its slice next to the
+            # base it read (memory-mapped weights become private copies as the broadcast writes back into them).
+            rank0 = (reader + unit / n if converted else own_shard + unit) + adapter + unit
+            other = own_shard + quant_state + adapter + 2 * unit
+        elif shards_on_host:  # the shards replace rank 0's host copy as it goes: about one base on the machine
             rank0 = max(reader + adapter + unit / n, adapter + own_shard + unit)
             other = quant_state + adapter + unit / n
         else:
             rank0, other = reader + adapter, quant_state + adapter
-        gpu = 0.0 if run.offload else own_shard + quant_state + adapter
-        gpu += unit + unit / n if on_gpu else 0
+        if on_gpu:
+            gpu = (0.0 if run.offload else own_shard + quant_state + adapter) + unit + unit / n
         p.assumptions.append("load (FSDP1): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the "
                              "other ranks build on the meta device; sync_module_states moves one unit at a time to "
-                             "the GPU, broadcasts it and frees rank 0's host copy (read from torch's FSDP1 code: its "
-                             "sync needs a GPU, so not measured on CPU)")
+                             f"the device (the largest: {unit / GIB:.2f} GiB), broadcasts it and keeps each rank's "
+                             "slice (measured on 2 CPU processes; the GPU copy and offload read from torch's code)")
     elif fsdp_from_rank0:
         in_flight = largest / n + (largest if on_gpu else 0)  # rank 0's full tensor is its own weight on CPU
         if shards_on_host:
@@ -324,18 +335,18 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
                              "other ranks build on the meta device; accelerate broadcasts one tensor at a time (the "
                              f"largest: {largest / GIB:.2f} GiB), each rank keeps its 1/{n} slice, and rank 0 keeps "
                              "the whole base until the last tensor is sent (measured on 2 CPU processes)")
-    elif zero3 and not qlora:
-        layer = shapes.largest_layer * weight_bytes
-        rank0, other = largest + adapter, adapter  # rank 0 copies one checkpoint tensor at a time into its partition
-        gpu = own_shard + layer
-        p.assumptions.append("load: zero.Init partitions each layer as it is built; rank 0 reads the checkpoint "
-                             "(memory-mapped) and the layer being loaded is gathered whole on each GPU")
-    elif zero3:  # 4-bit: sharding.partition_from_rank0, one module at a time
-        rank0, other = reader + adapter, quant_state + adapter
-        gpu = own_shard + quant_state + adapter + 2 * largest
-        p.assumptions.append("load: rank 0 reads and quantizes the checkpoint in host RAM, the other ranks build on "
-                             "the meta device; DeepSpeed broadcasts and partitions one module at a time (measured on 2 "
-                             "CPU processes: each rank kept half of the 4-bit weights, logits equal to one process's)")
+    elif zero3 and run.weights_from_rank0:
+        # sharding.partition_from_rank0, one module at a time: a rank > 0 gives the module real storage, receives it
+        # whole from rank 0 and keeps its 1/n partition (the largest module: the embedding or the biggest linear)
+        if on_gpu:
+            rank0, other = reader + adapter, quant_state + adapter
+            gpu = own_shard + quant_state + adapter + largest
+        else:  # measured on 2 gloo processes
+            rank0 = (reader + largest / n if converted else own_shard) + adapter
+            other = own_shard + quant_state + adapter + largest
+        p.assumptions.append("load (ZeRO-3): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the "
+                             "other ranks build on the meta device; DeepSpeed broadcasts and partitions one module at "
+                             f"a time (the largest: {largest / GIB:.2f} GiB) (measured on 2 CPU processes)")
     else:  # every rank reads the whole model
         if on_gpu and qlora:
             gpu, rank0 = base + adapter, shapes.largest_linear * checkpoint_bytes

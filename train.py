@@ -34,7 +34,7 @@ from export import publish
 from fast_paths import score_labelled_positions_only
 from memory import PhasePeaks
 from report import TRAINING_KEYS, write_run_report
-from sharding import gather_adapter, hand_to_the_engine, zero3_config
+from sharding import gather_adapter, hand_to_the_engine, save_fsdp1_adapter, zero3_config
 from training_data import DataError, TrainingData, prepare, summarize
 from utils import build_model, build_peft_config
 
@@ -71,7 +71,7 @@ def run(argv: list[str]):
     peaks.start("shard")
     result = train(trainer, config)
     peaks.start("save")
-    save_adapter(trainer)
+    save_adapter(trainer, config.launch.sharded)
     peaks.end()
     summary.update(trained_examples=data.counts["examples"], trained_tokens=data.counts["tokens"],
                    skipped_examples=len(data.skipped), train_loss=result.training_loss, train_steps=result.global_step,
@@ -212,7 +212,7 @@ def build_trainer(config: Configuration, model, data: TrainingData):
     os.environ.update(config.environment)  # read by the Accelerator the Trainer builds (torch.compile's settings)
     score_labelled_positions_only()
     step_times = StepTimes()
-    trainer = trainer_class(config.cpu_fsdp)(
+    trainer = trainer_class(config.cpu_engine)(
         model=model,
         args=config.training,
         train_dataset=data.datasets["train"],
@@ -258,12 +258,14 @@ def train(trainer, config: Configuration):
     return result
 
 
-def save_adapter(trainer) -> None:
-    """The final folder is a plain PEFT adapter. Under FSDP only the trainable parameters are gathered, onto rank 0
-    (sharding.gather_adapter), never the frozen base; ZeRO-3 does the same in the Trainer
-    (exclude_frozen_parameters)."""
-    if trainer.is_fsdp_enabled:
-        trainer._save(trainer.args.output_dir, state_dict=gather_adapter(trainer.model))
+def save_adapter(trainer, sharded: bool) -> None:
+    """The final folder is a plain PEFT adapter. Under FSDP and ZeRO-3 only the trainable parameters are gathered, onto
+    rank 0 (sharding.gather_adapter), never the frozen base."""
+    if sharded:
+        state = gather_adapter(trainer.model)  # named as in the model's module tree (FSDP1: with its unit wrappers)
+        trainer._save(trainer.args.output_dir, state_dict=state)  # config, model card, tokenizer
+        if state is not None and trainer.is_fsdp_enabled and trainer.accelerator.state.fsdp_plugin.fsdp_version == 1:
+            save_fsdp1_adapter(trainer.accelerator.unwrap_model(trainer.model), state, Path(trainer.args.output_dir))
     else:
         trainer.save_model()
 

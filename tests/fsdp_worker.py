@@ -1,16 +1,19 @@
 """Runs train.py's recipe in each process of a launch, then records what the tests (and bench/gpu_check.py, one process
-per shipped config on a GPU) check: how the model was sharded, the loss history, and the logits of the trained sharded
-model. Not a copy of the recipe: `train.run` is the same call `python train.py` makes."""
+per shipped config on a GPU) check: how the model was sharded, the loss history, the logits of the trained sharded
+model and its 4-bit layers. Not a copy of the recipe: `train.run` is the same call `python train.py` makes. Works
+under every engine the launchers use: FSDP1, FSDP2, DeepSpeed ZeRO-3."""
 
 import json
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import train  # noqa: E402
@@ -19,17 +22,16 @@ from conftest import PROBE  # noqa: E402
 
 def main() -> None:
     trainer, _ = train.run(sys.argv[1:])
-    model, rank = trainer.model, int(os.environ["RANK"])
+    model, rank = trainer.model, int(os.environ["RANK"])  # ZeRO-3: the module inside DeepSpeed's engine
     out = Path(trainer.args.output_dir)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    fsdp1_units = {id(m.module) for m in model.modules() if isinstance(m, FSDP1)}
     report = {
         "distributed_type": str(trainer.accelerator.distributed_type),
         "world_size": torch.distributed.get_world_size(),
-        "root_is_fsdp": isinstance(model, FSDPModule),
-        "layers_are_fsdp": [isinstance(layer, FSDPModule) for layer in layers],
-        "params": {name: {"dtensor": isinstance(p, DTensor), "trainable": p.requires_grad, "numel": p.numel(),
-                          "local_numel": p.to_local().numel() if isinstance(p, DTensor) else p.numel()}
-                   for name, p in model.named_parameters()},
+        "root_is_fsdp": isinstance(model, FSDPModule | FSDP1),
+        "layers_are_fsdp": [isinstance(layer, FSDPModule) or id(layer) in fsdp1_units for layer in layers],
+        "params": shard_sizes(model),
         "log_history": trainer.state.log_history,
     }
     batch = trainer.processing_class([PROBE], return_tensors="pt").to(trainer.accelerator.device)
@@ -41,19 +43,48 @@ def main() -> None:
     torch.save(four_bit_layers(model), out / f"rank{rank}_4bit.pt")
 
 
+def shard_sizes(model) -> dict:
+    """Each parameter the engine manages (FSDP1: its flat parameters) with its whole and its local size."""
+    sizes = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):  # FSDP2
+            whole, local = p.numel(), p.to_local().numel()
+        elif hasattr(p, "ds_numel"):  # ZeRO-3
+            whole, local = p.ds_numel, p.ds_tensor.numel()
+        elif hasattr(p, "_unpadded_unsharded_size"):  # FSDP1 flat parameter
+            whole, local = p._unpadded_unsharded_size.numel(), p.numel()
+        else:
+            whole = local = p.numel()
+        sizes[name] = {"trainable": p.requires_grad, "numel": whole, "local_numel": local}
+    return sizes
+
+
+def whole_parameters(model):
+    """A context in which every parameter of the sharded model is whole on every rank."""
+    if isinstance(model, FSDP1):
+        return FSDP1.summon_full_params(model, writeback=False)
+    if any(hasattr(p, "ds_numel") for p in model.parameters()):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(model.parameters()))
+    return nullcontext()
+
+
 def four_bit_layers(model) -> dict:
     """Each 4-bit layer's whole packed weight (gathered from the shards: every rank takes part) and this rank's copy of
     its quantization state."""
     from bitsandbytes.nn import Linear4bit
 
     layers = {}
-    for name, module in model.named_modules():
-        if isinstance(module, Linear4bit):
-            weight = module.weight.full_tensor() if isinstance(module.weight, DTensor) else module.weight
-            state = module.quant_state
-            layers[name.replace("base_model.model.", "", 1).replace(".base_layer", "")] = {
-                "weight": weight.detach().cpu(), "absmax": state.absmax.cpu(), "code": state.code.cpu(),
-                "shape": tuple(state.shape), "nested": state.nested}
+    with whole_parameters(model):
+        for name, module in model.named_modules():
+            if isinstance(module, Linear4bit):
+                weight = module.weight.full_tensor() if isinstance(module.weight, DTensor) else module.weight
+                state = module.quant_state
+                name = name.replace("_fsdp_wrapped_module.", "")
+                layers[name.replace("base_model.model.", "", 1).replace(".base_layer", "")] = {
+                    "weight": weight.detach().cpu().clone(), "absmax": state.absmax.cpu(), "code": state.code.cpu(),
+                    "shape": tuple(state.shape), "nested": state.nested}
     return layers
 
 

@@ -98,11 +98,6 @@ CASES = [
     (checks.fp16_without_gpu,
      (["--fp16", "true", "--bf16", "false"], None, {"cuda": False}),
      (["--fp16", "true", "--bf16", "false"], None, {"cuda": True}), "error"),
-    (checks.engine_without_gpu,
-     ([], launch("fsdp_config.yaml"), {"cuda": False}), ([], launch("fsdp2_config.yaml"), {"cuda": False}), "error"),
-    (checks.engine_without_gpu,
-     ([], launch("deepspeed_config.yaml"), {"cuda": False}), ([], launch("deepspeed_config.yaml"), {"cuda": True}),
-     "error"),
     (checks.resume_checkpoint,
      (["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], None, {}),
      (["--resume_from_checkpoint", "latest"], None, {}), "error"),
@@ -197,10 +192,10 @@ def test_check_command_reports_everything_and_loads_no_weights(tiny_model_dir, c
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("config", ["deepspeed_config.yaml", "deepspeed_config_z3_qlora.yaml"])
-def test_check_under_a_real_zero3_launch_reaches_preflight(tiny_model_dir, tmp_path, config):
+def test_check_passes_under_a_real_zero3_launch(tiny_model_dir, tmp_path, config):
     """Under ZeRO-3's launch environment transformers builds models inside deepspeed.zero.Init; the memory planner's
-    meta model stays out of it, so the check settles (with the plan's decision) and ends with the CPU refusal, not
-    with "Cannot copy out of meta tensor"."""
+    meta model stays out of it, so the check settles (with the plan's decision) and passes on CPU, where the recipe
+    keeps DeepSpeed, instead of dying with "Cannot copy out of meta tensor"."""
     import subprocess
     import sys
 
@@ -210,7 +205,6 @@ def test_check_under_a_real_zero3_launch_reaches_preflight(tiny_model_dir, tmp_p
                              "--check", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path),
                              *qlora],
                             cwd=REPO_DIR, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0 and "meta tensor" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 0 and "check passed" in result.stdout, result.stderr[-3000:]
     assert "activation_checkpointing = False: the memory plan needs" in result.stdout
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "DeepSpeed through accelerate without a GPU" in errors[0], result.stderr[-3000:]
+    assert "engine on CPU = deepspeed" in result.stdout and "Loading weights" not in result.stdout + result.stderr

@@ -85,7 +85,7 @@ def test_placement_and_engine_follow_the_launch():
     assert one_gpu.device_map == {"": 1}  # bitsandbytes quantizes while placing on this rank's GPU
     fsdp = Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, 2)
     assert settled(qlora, cuda=True, launch=fsdp).device_map is None  # FSDP places the weights
-    assert settled([], launch=fsdp).cpu_fsdp and not settled([], cuda=True, launch=fsdp).cpu_fsdp
+    assert settled([], launch=fsdp).cpu_engine == "fsdp" and settled([], cuda=True, launch=fsdp).cpu_engine is None
     assert str(settled(qlora).dtype) == "torch.bfloat16"  # the bf16 quant storage dtype
 
 

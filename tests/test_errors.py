@@ -116,13 +116,3 @@ def test_command_line_exit_code_and_message():
                             text=True, timeout=120)
     assert result.returncode == 2
     assert "error: unknown arguments: --lora_rr 8" in result.stderr and "Traceback" not in result.stderr
-
-
-@pytest.mark.parametrize("env, message", [
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "FSDP1 without a GPU"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed through accelerate without a GPU"),
-])
-def test_distributed_engines_that_cannot_run_on_cpu(no_weights, capsys, monkeypatch, env, message):
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    assert message in refused([], capsys)
