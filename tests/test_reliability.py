@@ -60,6 +60,18 @@ def kill_after_checkpoint(argv, out, step, launcher=()):
     assert process.returncode == -signal.SIGKILL
 
 
+_straight_runs: dict[str, Path] = {}
+
+
+def straight_run(model_dir, data_dir, out) -> Path:
+    """The uninterrupted 8-step run on one process (once per test worker): the reference of every resume test. Two
+    processes of half the batch train the same steps (tests/test_distributed.py: losses within 1e-5, here 1e-7)."""
+    if "one" not in _straight_runs:
+        finish(recipe(model_dir, data_dir, out, 8))
+        _straight_runs["one"] = out
+    return _straight_runs["one"]
+
+
 @pytest.mark.parametrize("distributed", [pytest.param(False, marks=pytest.mark.e2e, id="one-process"),
                                          pytest.param(True, marks=pytest.mark.multiprocess, id="fsdp-2-processes")])
 def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_dir, tmp_path, distributed):
@@ -67,7 +79,7 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_
                 "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", "train.py") \
         if distributed else ()
     batch = ["--per_device_train_batch_size", "4"] if distributed else []
-    finish(recipe(tiny_model_dir, chat_dir, tmp_path / "straight", 8, *batch), launcher)
+    straight_out = straight_run(tiny_model_dir, chat_dir, tmp_path / "straight")
 
     out = tmp_path / "killed"
     kill_after_checkpoint(recipe(tiny_model_dir, chat_dir, out, 8, *batch), out, 4, launcher)
@@ -80,12 +92,14 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_
 
     output = finish(recipe(tiny_model_dir, chat_dir, out, 8, *batch, "--resume_from_checkpoint", "latest"), launcher)
     assert f"resuming from {out / f'checkpoint-{max(completed)}'}" in output
-    straight, resumed = losses(tmp_path / "straight"), losses(out)
+    straight, resumed = losses(straight_out), losses(out)
     after = [step for step in straight if step > max(completed)]
     assert after and all(abs(resumed[s] - straight[s]) <= 1e-5 * abs(straight[s]) for s in after), (straight, resumed)
-    a, b = load_file(tmp_path / "straight" / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
-    for name in a:  # every shard restored: a half reset to its initial value would differ here
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6)
+    a, b = load_file(straight_out / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    # Every shard and the AdamW state restored: a reset half or reset moments would move weights by ~1e-2 (the
+    # learning rate); 2 processes differ from one by reduction order, amplified by AdamW to 2e-6 (measured)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-5 if distributed else 1e-6)
 
 
 @pytest.mark.e2e
