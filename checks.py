@@ -147,6 +147,23 @@ def quant_storage_dtype(s: Configuration) -> Problem | None:
     return None
 
 
+def fsdp2_mixed_precision_casts_4bit(s: Configuration) -> Problem | None:
+    """FSDP2's mixed-precision policy casts every parameter it gathers, the packed 4-bit weights included (they are
+    plain parameters to it, sharding.hand_to_the_engine): bytes stored in another float dtype are converted as numbers
+    and destroyed. (FSDP1's policy is set to the storage dtype by the Trainer.)"""
+    if not (s.quantized_4bit and s.launch.fsdp and s.launch.fsdp_version == 2):
+        return None
+    precision = "bf16" if s.training.bf16 else "fp16" if s.training.fp16 else s.launch.mixed_precision
+    policy = {"bf16": "bfloat16", "fp16": "float16"}.get(precision)
+    storage = s.model.bnb_4bit_quant_storage_dtype
+    if policy is None or storage == policy:
+        return None
+    return Problem("error", f"4-bit weights stored as {storage} under FSDP2 with {precision} mixed precision",
+                   f"FSDP2 casts every parameter it gathers to {policy}, the packed 4-bit bytes included, which "
+                   "destroys them (bitsandbytes then fails: 'shape ... is invalid for input of size')",
+                   f"--bnb_4bit_quant_storage_dtype {policy}, or an FSDP1 config, or mixed precision no")
+
+
 def eight_bit_with_fsdp(s: Configuration) -> Problem | None:
     if s.model.use_8bit_quantization and s.launch.fsdp:
         return Problem("error", "8-bit quantization with FSDP", "FSDP cannot shard int8 weights ('Integer "
@@ -338,8 +355,8 @@ def host_ram_by_phase(s: Configuration) -> Problem | None:
 
 RULES: list[Callable[[Configuration], Problem | None]] = [
     model_source, tokenizer_builds, dataset_source, flash_attention, bf16_support, fp16_without_gpu,
-    quant_storage_dtype, eight_bit_with_fsdp, bnb_optimizer_with_fsdp, qlora_fsdp_loading, ram_efficient_without_sync,
-    compile_with_fsdp1, two_activation_checkpointings,
+    quant_storage_dtype, fsdp2_mixed_precision_casts_4bit, eight_bit_with_fsdp, bnb_optimizer_with_fsdp,
+    qlora_fsdp_loading, ram_efficient_without_sync, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,
     added_tokens_under_fsdp, no_layer_class_to_wrap, output_dir_holds_another_run, output_dir_writable,
     resume_checkpoint, memory_fit, host_ram_by_phase,

@@ -112,9 +112,12 @@ class CpuEngineSFTTrainer(SFTTrainer):
             super().create_accelerator_and_postprocess()
         state = self.accelerator.state
         if self.engine == "deepspeed":
+            import deepspeed.ops
             from deepspeed import comm
             from transformers.integrations.deepspeed import propagate_args_to_deepspeed
 
+            # DeepSpeed's shared-memory all-reduce serves CPU inference; building it on first use takes minutes
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
             comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # over accelerate's process group
             plugin = self.args.deepspeed_plugin  # TrainingArguments built it from the launch environment
             plugin.select(_from_accelerator_state=True)
@@ -124,6 +127,8 @@ class CpuEngineSFTTrainer(SFTTrainer):
             propagate_args_to_deepspeed(self.accelerator, self.args)  # batch size, accumulation, clipping, optimizer
         else:
             state.fsdp_plugin, state.distributed_type = cpu_fsdp_plugin(launch), DistributedType.FSDP
+            if state.mixed_precision != "no":  # as accelerate does on GPUs: FSDP's own mixed-precision policy
+                state.fsdp_plugin.set_mixed_precision(state.mixed_precision)
             self.is_fsdp_enabled = True
             if launch.fsdp_version == 1:  # FSDP1 compares device_id with torch.cpu.current_device(): "cpu", not "cpu:0"
                 state.device = PartialState._shared_state["device"] = torch.device("cpu")

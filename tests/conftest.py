@@ -27,9 +27,9 @@ def tiny_run_args(model_dir, data_dir, out, *extra) -> list[str]:
             "--bf16", "false", "--eval_num_prompts", "0", "--disable_tqdm", "true", "--warmup_steps", "0", *extra]
 
 
-def launch_two_processes(script, args, config="configs/fsdp2_config.yaml"):
+def launch_two_processes(script, args, config="configs/fsdp2_config.yaml", mixed_precision="no"):
     """`accelerate launch` of `script` with a shipped accelerate config, as on GPUs, with only the process count and
-    precision changed.
+    precision changed (the configs' bf16 is emulated, many times slower, on CPUs without it).
 
     glibc keeps freed blocks up to its dynamic mmap threshold (up to 32 MB) for reuse, which hides what the code frees
     and keeps; a fixed threshold makes RSS follow what the program holds (measured: the train phase of a SmolLM2 LoRA
@@ -37,7 +37,8 @@ def launch_two_processes(script, args, config="configs/fsdp2_config.yaml"):
     import subprocess
 
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", str(script), *args]
+               "--num_processes", "2", "--mixed_precision", mixed_precision, "--main_process_port", "0", str(script),
+               *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

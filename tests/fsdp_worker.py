@@ -32,6 +32,8 @@ def main() -> None:
         "root_is_fsdp": isinstance(model, FSDPModule | FSDP1),
         "layers_are_fsdp": [isinstance(layer, FSDPModule) or id(layer) in fsdp1_units for layer in layers],
         "params": shard_sizes(model),
+        "fsdp2_param_dtype": str(model._get_fsdp_state()._mp_policy.param_dtype) if isinstance(model, FSDPModule)
+        else None,  # what FSDP2 casts each gathered parameter to (None: kept as stored)
         "log_history": trainer.state.log_history,
     }
     batch = trainer.processing_class([PROBE], return_tensors="pt").to(trainer.accelerator.device)

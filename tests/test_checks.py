@@ -41,6 +41,11 @@ CASES = [
                                                                     ACCELERATE_MIXED_PRECISION="fp16"), {}),
      (["--use_4bit_quantization", "true", "--bf16", "false", "--bnb_4bit_quant_storage_dtype", "float32"],
       launch("fsdp_config_qlora.yaml", ACCELERATE_MIXED_PRECISION="fp16"), {}), "error"),
+    (checks.fsdp2_mixed_precision_casts_4bit,  # FSDP2's bf16 policy would cast the packed bytes stored as float32
+     (["--use_4bit_quantization", "true", "--bf16", "false", "--bnb_4bit_quant_storage_dtype", "float32"],
+      launch("fsdp2_config.yaml", ACCELERATE_MIXED_PRECISION="bf16"), {}),
+     (["--use_4bit_quantization", "true", "--bf16", "false"], launch("fsdp2_config.yaml",
+                                                                    ACCELERATE_MIXED_PRECISION="bf16"), {}), "error"),
     (checks.eight_bit_with_fsdp,
      (["--use_8bit_quantization", "true"], launch("fsdp2_config.yaml"), {}),
      (["--use_8bit_quantization", "true"], launch("deepspeed_config.yaml"), {}), "error"),
@@ -208,3 +213,34 @@ def test_check_passes_under_a_real_zero3_launch(tiny_model_dir, tmp_path, config
     assert result.returncode == 0 and "check passed" in result.stdout, result.stderr[-3000:]
     assert "activation_checkpointing = False: the memory plan needs" in result.stdout
     assert "engine on CPU = deepspeed" in result.stdout and "Loading weights" not in result.stdout + result.stderr
+
+
+def test_fsdp2_mixed_precision_casts_packed_4bit_weights_unless_stored_in_its_dtype():
+    """What fsdp2_mixed_precision_casts_4bit guards: FSDP2 with a bf16 policy (one gloo process) casts a 4-bit weight
+    stored as float32 to bf16 as numbers, and bitsandbytes fails on what is left; stored as bf16 it is not cast, and
+    the layer computes as it did before sharding."""
+    import bitsandbytes as bnb
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from sharding import hand_to_the_engine
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        for storage in (torch.float32, torch.bfloat16):
+            layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_storage=storage,
+                                      quant_type="nf4").to("cpu")  # quantized here
+            x = torch.randn(2, 64)
+            before = layer(x)
+            model = torch.nn.Sequential(layer)
+            hand_to_the_engine(model)  # as train.py readies a 4-bit model for FSDP
+            fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            if storage == torch.float32:
+                with pytest.raises(RuntimeError, match="is invalid for input of size"):
+                    model(x.bfloat16())
+            else:
+                torch.testing.assert_close(model(x.bfloat16()).float(), before, rtol=0, atol=0.02)
+    finally:
+        dist.destroy_process_group()
