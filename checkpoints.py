@@ -6,7 +6,9 @@
 - Rotation (`save_total_limit`) counts complete checkpoints only, never deletes the newest complete one nor the one
   this run resumed from, and clears half-written folders older than the newest complete checkpoint.
 - SIGTERM (SLURM's warning before a kill) or SIGINT stops training at the end of the current step on every rank,
-  saves a checkpoint and exits with 128 + the signal number. A second signal kills at once.
+  saves a checkpoint and exits with 128 + the signal number. A repeated SIGTERM is ignored and no signal interrupts a
+  save; a second SIGINT outside a save kills at once.
+- `latest` is the newest complete checkpoint as rank 0 sees it, the same on every rank (`resume_point`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -41,6 +45,18 @@ def latest_complete(output_dir: str | Path) -> str | None:
     return str(complete[-1]) if complete else None
 
 
+def resume_point(resume: str | None, output_dir: str | Path) -> str | None:
+    """The checkpoint a run resumes from. `latest` is the newest complete checkpoint in output_dir as rank 0 sees it,
+    sent to every rank (ranks on other machines may see a shared file system at another moment), or a fresh start
+    when there is none."""
+    if resume != "latest":
+        return resume
+    found = [latest_complete(output_dir)]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(found, src=0)
+    return found[0]
+
+
 def rotate(output_dir: str | Path, limit: int | None, protected: set[Path]) -> list[Path]:
     """Keep the newest `limit` complete checkpoints plus the protected ones; drop stale half-written folders."""
     found = checkpoints(output_dir)
@@ -61,8 +77,13 @@ class CompleteCheckpointsMixin:
     """For a Trainer class: completion markers and safe rotation around the Trainer's own checkpoint save."""
 
     resumed_from: str | None = None
+    signals: StopOnSignal | None = None  # told when a save is in progress, which no second signal interrupts
 
     def _save_checkpoint(self, model, trial) -> None:
+        with self.signals.saving_checkpoint() if self.signals else nullcontext():
+            self._save_complete_checkpoint(model, trial)
+
+    def _save_complete_checkpoint(self, model, trial) -> None:
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotation happens below, safely
         try:
             super()._save_checkpoint(model, trial)
@@ -85,16 +106,38 @@ class CompleteCheckpointsMixin:
 
 
 class StopOnSignal(TrainerCallback):
-    """Turn SIGTERM / SIGINT into: finish this step, save a checkpoint, stop. Every rank stops at the same step."""
+    """Turn SIGTERM / SIGINT into: finish this step, save a checkpoint, stop. Every rank stops at the same step.
+
+    The same request often arrives twice: SLURM signals every process of the job, and the launcher (torchrun's agent)
+    forwards its own copy to the workers. So a repeated SIGTERM is ignored, no second signal interrupts a checkpoint
+    being saved, and only a second SIGINT outside a save (a user's second Ctrl-C) ends the process at once. The
+    launcher's grace before it kills the workers (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, set by the run_peft_*.sh
+    launchers) must cover the rest of a step and the save."""
 
     def __init__(self):
         self.received: int | None = None
+        self.saving = False
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signum
-        signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+        if self.received is None:
+            self.received = signum
+            return
+        if self.saving or signum == signal.SIGTERM:
+            print(f"signal {signum} again: ignored, " + ("a checkpoint is being saved" if self.saving else
+                  "the run already stops after this step and its checkpoint"), file=sys.stderr, flush=True)
+            return
+        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+        os.kill(os.getpid(), signum)
+
+    @contextmanager
+    def saving_checkpoint(self):
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
 
     def on_step_end(self, args, state, control, **kwargs):
         requested = torch.tensor([0 if self.received is None else int(self.received)])

@@ -6,7 +6,7 @@
 #          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs. Needs `pip install -r requirements-gpu.txt`.
 set -euo pipefail
 cd "$(dirname "$0")"
-accelerate launch ${NUM_PROCESSES:+--num_processes "$NUM_PROCESSES"} --config_file "${ACCELERATE_CONFIG:-configs/deepspeed_config_z3_qlora.yaml}" \
+./preemptible.sh accelerate launch ${NUM_PROCESSES:+--num_processes "$NUM_PROCESSES"} --config_file "${ACCELERATE_CONFIG:-configs/deepspeed_config_z3_qlora.yaml}" \
   train.py configs/llama2_70b_chat_sft.yaml \
   --model_name_or_path "${MODEL:-meta-llama/Llama-2-70b-hf}" --dataset_name "${DATASET:-smangrul/ultrachat-10k-chatml}" \
   --per_device_train_batch_size 2 --per_device_eval_batch_size 2 --gradient_accumulation_steps 2 \

@@ -25,7 +25,7 @@ import torch
 from transformers import TrainerCallback, set_seed
 
 from arguments import ConfigError, parse_arguments
-from checkpoints import StopOnSignal, latest_complete
+from checkpoints import StopOnSignal, latest_complete, resume_point
 from checks import Problem, preflight
 from configuration import Configuration, gather, memory_plan, settle
 from distributed import trainer_class
@@ -229,17 +229,12 @@ def build_trainer(config: Configuration, model, data: TrainingData):
     return trainer, step_times
 
 
-def resolve_resume_checkpoint(resume: str | None, output_dir) -> str | None:
-    """`latest` means the newest complete checkpoint in output_dir, or a fresh start when there is none."""
-    return latest_complete(output_dir) if resume == "latest" else resume
-
-
 def train(trainer, config: Configuration):
     """trainer.train, resumed where asked; a full disk or a signal ends the run with what to do next."""
     output_dir = config.training.output_dir
-    signal = StopOnSignal()  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
+    signal = trainer.signals = StopOnSignal()  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
     trainer.add_callback(signal)
-    trainer.resumed_from = resolve_resume_checkpoint(config.training.resume_from_checkpoint, output_dir)
+    trainer.resumed_from = resume_point(config.training.resume_from_checkpoint, output_dir)
     if trainer.resumed_from:
         log(f"resuming from {trainer.resumed_from}")
     try:

@@ -56,8 +56,8 @@ def test_matmul_ceiling_times_the_products_whose_flops_utilisation_counts(smol_d
 @pytest.mark.native_bf16
 def test_gpu_check_dry_run_takes_every_path_it_can_on_cpu(tmp_path, smol_dir):
     """bench/gpu_check.py --dry_run: the speed part (gpu_benchmark.py's LoRA run, tiny shape), the FSDP2 launcher
-    trained, saved and reloaded to the same logits, and the 4-bit load under the QLoRA FSDP environment. The path only: numbers
-    measured on this CPU (speed, utilisation) are no verdict; the test asserts that each is there."""
+    trained, saved and reloaded to the same logits, and the 4-bit load under the QLoRA FSDP environment. The path
+    only: numbers measured on this CPU (speed, utilisation) are no verdict; the test asserts that each is there."""
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "run", "--dry_run", "--out",
                              str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)

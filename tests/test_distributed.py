@@ -64,8 +64,8 @@ def test_two_processes_match_one_process_and_load_and_save_as_planned(wide_model
     config, engine, fsdp_version, quantized = CASES[case]
     out = tmp_path_factory.mktemp(case)
     mixed_precision = "bf16" if "mixed-precision" in case else "no"
-    launch_two_processes(WORKER, recipe_args(wide_model_dir, chat_dir, out, 2, quantized), REPO_DIR / "configs" / config,
-                         mixed_precision)
+    launch_two_processes(WORKER, recipe_args(wide_model_dir, chat_dir, out, 2, quantized),
+                         REPO_DIR / "configs" / config, mixed_precision)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     # The real engine ran, not the DDP (or lone-process) fallback accelerate picks on a CPU by itself, and sharded.

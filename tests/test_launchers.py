@@ -3,6 +3,7 @@ accelerate config builds its plugin and the train.py arguments parse into the re
 
 import json
 import os
+import re
 import stat
 import sys
 import subprocess
@@ -17,7 +18,8 @@ LAUNCHERS = sorted(REPO_DIR.glob("run_*.sh"))
 RECORDER = """#!/usr/bin/env python3
 import json, os, sys
 with open(os.environ["ARGV_LOG"], "a") as f:
-    f.write(json.dumps({"argv": sys.argv[1:], "node": os.environ.get("SLURM_NODEID")}) + "\\n")
+    f.write(json.dumps({"argv": sys.argv[1:], "node": os.environ.get("SLURM_NODEID"),
+                        "grace": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")}) + "\\n")
 """
 
 
@@ -66,6 +68,7 @@ def test_launcher_header_states_hardware_memory_and_usage(script):
 def test_launcher_runs_one_accelerate_command_with_the_recipe(script, fake_bin):
     (call,) = run(script, fake_bin, "--max_steps", "7", MODEL="org/other-model", DATASET="org/other-data")
     launch_args, train_args = split(call["argv"])
+    assert int(call["grace"]) >= 120  # the launcher waits for the step and the save after a signal (not 30 s)
     config = launch_args[launch_args.index("--config_file") + 1]
     assert (REPO_DIR / config).is_file()
 
@@ -100,6 +103,9 @@ def test_slurm_script_starts_accelerate_on_every_node(fake_bin, config, reentran
     env = {"ACCELERATE_CONFIG": config} if config else {}
     calls = run(REPO_DIR / "slurm" / "run_peft_fsdp_multinode.sbatch", fake_bin, "--max_steps", "3", **env)
     assert [c["node"] for c in calls] == ["0", "1"]
+    script = (REPO_DIR / "slurm" / "run_peft_fsdp_multinode.sbatch").read_text()
+    warning = int(re.search(r"--signal=TERM@(\d+)", script)[1])
+    assert all(120 <= int(c["grace"]) < warning for c in calls)  # the step and the save, before SLURM's hard kill
     for rank, call in enumerate(calls):
         launch_args, train_args = split(call["argv"])
         flags = dict(zip(launch_args[::2], launch_args[1::2]))

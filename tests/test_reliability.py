@@ -103,7 +103,7 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", [signal.SIGINT], ids=["SIGINT"])  # SIGTERM: through a launch, below
 def test_signal_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, chat_dir, tmp_path, signum):
     out = tmp_path / "run"
     argv = recipe(tiny_model_dir, chat_dir, out, 400, "--save_steps", "1000")  # only the checkpoint the signal asks for
@@ -126,6 +126,60 @@ def test_signal_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, chat_dir, t
     assert 0 < step < 400
     resumed = finish([*argv, "--max_steps", str(step + 2), "--resume_from_checkpoint", "latest"])
     assert f"resuming from {checkpoint}" in resumed
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_a_launch_saves_every_rank_at_one_step_past_the_default_grace(tiny_model_dir, chat_dir, tmp_path):
+    """SLURM's warning reaches every process of the job: the launcher script, `accelerate launch` (torchrun's agent),
+    which forwards its own copy to the workers, and the workers themselves. With a step longer than the agent's
+    default 30 s grace, preemptible.sh's grace lets each rank finish the step and save, the repeated SIGTERM
+    interrupts nothing, the checkpoint is complete, and the launch exits 143 (the agent alone would exit 1). (Two
+    SIGTERMs close together may reach Python as one; test_a_repeated_signal_interrupts_no_save sends them apart.)"""
+    out = tmp_path / "run"
+    launch = ["bash", "preemptible.sh", sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              "configs/fsdp2_config.yaml", "--num_processes", "2", "--mixed_precision", "no",
+              "--main_process_port", "0", "tests/slow_step_worker.py"]
+    argv = recipe(tiny_model_dir, chat_dir, out, 50, "--save_steps", "1000", "--per_device_train_batch_size", "4")
+    environment = {key: value for key, value in os.environ.items() if key != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+    process = subprocess.Popen([*launch, *argv], cwd=REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True,
+                               env={**environment, "OMP_NUM_THREADS": "1", "SLOW_STEP_SECONDS": "35"})
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    wait_for(lambda: any("'loss'" in line for line in lines), process, 240)  # step 1 done, the slow step 2 begun
+    import psutil
+
+    tree = psutil.Process(process.pid)
+    for member in [tree, *tree.children(recursive=True)]:  # every process, as SLURM signals a job step
+        member.send_signal(signal.SIGTERM)
+    process.wait(timeout=180)
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert process.returncode == 143, output[-3000:]
+    assert "stopped by signal 15 at step 2" in output
+    checkpoint = latest_complete(out)
+    assert checkpoint is not None and Path(checkpoint).name == "checkpoint-2", output[-3000:]
+    assert {p.name for p in Path(checkpoint).glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+
+
+def test_a_repeated_signal_interrupts_no_save(capsys):
+    """The launcher's forwarded SIGTERM after SLURM's own is ignored, and so is any signal while a checkpoint is being
+    saved; the first one alone decides (this process signals itself; its handlers are restored afterwards)."""
+    from checkpoints import StopOnSignal
+
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = StopOnSignal()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)  # the same request again: still running
+        with stop.saving_checkpoint():
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C during the save: the save goes on
+        assert stop.received == signal.SIGTERM and capsys.readouterr().err.count("again: ignored") == 2
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def test_rotation_keeps_the_limit_the_newest_and_the_resumed_one(tmp_path):

@@ -157,12 +157,12 @@ def test_exact_match_normalises_whitespace_case_and_a_final_period():
 
 
 def test_resume_latest_picks_the_newest_complete_checkpoint(tmp_path):
-    from checkpoints import COMPLETE
+    from checkpoints import COMPLETE, resume_point
 
-    assert train.resolve_resume_checkpoint("latest", tmp_path) is None
+    assert resume_point("latest", tmp_path) is None
     for step in (4, 12):
         (tmp_path / f"checkpoint-{step}").mkdir()
         (tmp_path / f"checkpoint-{step}" / COMPLETE).write_text("{}")
     (tmp_path / "checkpoint-16").mkdir()  # half-written by a kill: no marker
-    assert train.resolve_resume_checkpoint("latest", tmp_path).endswith("checkpoint-12")
-    assert train.resolve_resume_checkpoint(str(tmp_path / "checkpoint-4"), tmp_path).endswith("checkpoint-4")
+    assert resume_point("latest", tmp_path).endswith("checkpoint-12")
+    assert resume_point(str(tmp_path / "checkpoint-4"), tmp_path).endswith("checkpoint-4")
