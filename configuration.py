@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from arguments import RECIPE_DEFAULTS, ConfigError, DataArguments, ModelArguments, Request, parse_arguments
-from distributed import Launch, launch_environment
+from distributed import CPU_FSDP1_OVERRIDES, Launch, launch_environment
 from fast_paths import ATTENTION, compile_settings
 from utils import DEFAULT_MODEL_DIR, build_tokenizer, convert_default_model, gguf_source, is_flash_attn_installed
 from memory import GIB
@@ -227,6 +227,10 @@ def settle(request: Request, facts: Facts) -> Configuration:
         config.cpu_engine = "fsdp" if facts.launch.fsdp else "deepspeed"
         decisions.append(Decision("engine on CPU", config.cpu_engine, "accelerate drops FSDP and DeepSpeed without an "
                                   "accelerator; the recipe keeps them, over gloo (distributed.CpuEngineSFTTrainer)"))
+        if facts.launch.fsdp and facts.launch.fsdp_version == 1:
+            for setting, (value, why) in CPU_FSDP1_OVERRIDES.items():
+                if facts.launch.fsdp_setting(setting):
+                    decisions.append(Decision(f"fsdp_{setting.lower()} on CPU", value, why))
     if training.torch_compile:
         config.environment, compiled = compile_settings(facts.launch.env)
         decisions.append(Decision("torch_compile", compiled, "regional compilation for any length, unless the "

@@ -136,10 +136,12 @@ class CpuEngineSFTTrainer(SFTTrainer):
         PartialState._shared_state["distributed_type"] = state.distributed_type
 
 
+# What FSDP1 does differently on a host without an accelerator (cpu_fsdp_plugin), per accelerate setting in effect:
+# the value and why; settle() records each as a decision.
 CPU_FSDP1_OVERRIDES = {
-    "fsdp_offload_params": "off: the parameters already live in host RAM, and FSDP1's CPUOffload needs an accelerator",
-    "fsdp_sync_module_states": "kept: torch's own broadcast from rank 0 over gloo, once its 'CPU tensors need a GPU' "
-                               "guard is lifted (it guards NCCL, which cannot send host memory)",
+    "OFFLOAD_PARAMS": ("off", "the parameters already live in host RAM, and FSDP1's CPUOffload needs an accelerator"),
+    "SYNC_MODULE_STATES": ("over gloo", "torch's own broadcast from rank 0, once its 'CPU tensors need a GPU' guard "
+                           "is lifted (it guards NCCL, which cannot send host memory)"),
 }
 
 

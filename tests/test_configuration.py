@@ -86,6 +86,11 @@ def test_placement_and_engine_follow_the_launch():
     fsdp = Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, 2)
     assert settled(qlora, cuda=True, launch=fsdp).device_map is None  # FSDP places the weights
     assert settled([], launch=fsdp).cpu_engine == "fsdp" and settled([], cuda=True, launch=fsdp).cpu_engine is None
+    fsdp1 = Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_OFFLOAD_PARAMS": "true"}, 2)
+    on_cpu = {d.setting: d.value for d in settled([], launch=fsdp1).decisions}  # what a CPU cannot do, said
+    assert on_cpu["fsdp_offload_params on CPU"] == "off" and "fsdp_sync_module_states on CPU" not in on_cpu
+    zero3 = Launch({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, 2)
+    assert settled([], launch=zero3).cpu_engine == "deepspeed"
     assert str(settled(qlora).dtype) == "torch.bfloat16"  # the bf16 quant storage dtype
 
 

