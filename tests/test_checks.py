@@ -197,19 +197,28 @@ def test_check_command_reports_everything_and_loads_no_weights(tiny_model_dir, c
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("config", ["deepspeed_config.yaml", "deepspeed_config_z3_qlora.yaml"])
-def test_check_passes_under_a_real_zero3_launch(tiny_model_dir, tmp_path, config):
-    """Under ZeRO-3's launch environment transformers builds models inside deepspeed.zero.Init; the memory planner's
-    meta model stays out of it, so the check settles (with the plan's decision) and passes on CPU, where the recipe
-    keeps DeepSpeed, instead of dying with "Cannot copy out of meta tensor"."""
+def test_check_passes_in_a_zero3_launch_environment(tiny_model_dir, tmp_path, config):
+    """In ZeRO-3's launch environment (what `accelerate launch` gives each process, computed by its own code)
+    transformers builds models inside deepspeed.zero.Init; the memory planner's meta model stays out of it, so the
+    check settles (with the plan's decision) and passes on CPU, where the recipe keeps DeepSpeed, instead of dying
+    with "Cannot copy out of meta tensor"."""
+    import os
+    import socket
     import subprocess
     import sys
 
     qlora = ["--use_4bit_quantization", "true"] if "qlora" in config else []
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/{config}",
-                             "--num_processes", "1", "--mixed_precision", "no", "--main_process_port", "0", "train.py",
-                             "--check", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path),
-                             *qlora],
-                            cwd=REPO_DIR, capture_output=True, text=True, timeout=300)
+    launched = launch_environment(["--config_file", f"configs/{config}", "--num_processes", "1", "--mixed_precision",
+                                   "no", "train.py"])
+    with socket.socket() as free:  # a port for the one-process group the training arguments start
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    env = {**os.environ, **launched, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": port}
+    result = subprocess.run([sys.executable, "train.py", "--check", "--model_name_or_path", str(tiny_model_dir),
+                             "--output_dir", str(tmp_path), *qlora],
+                            cwd=REPO_DIR, capture_output=True, text=True, timeout=300, env=env)
+    assert launched["ACCELERATE_USE_DEEPSPEED"] == "true" and launched["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
     assert result.returncode == 0 and "check passed" in result.stdout, result.stderr[-3000:]
     assert "activation_checkpointing = False: the memory plan needs" in result.stdout
     assert "engine on CPU = deepspeed" in result.stdout and "Loading weights" not in result.stdout + result.stderr

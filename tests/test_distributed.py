@@ -31,13 +31,14 @@ CASES = {
 }
 
 
-def recipe_args(model_dir, data_dir, out, batch_size, quantized):
+def recipe_args(model_dir, data_dir, out, batch_size, quantized, checkpoint=False):
     # SGD and no LoRA dropout: the comparison with one process is then exact up to float rounding (AdamW would hide a
     # gradient scaled by the world size, and dropout masks differ per rank). 4-bit layers compute in fp32: bf16 is
     # emulated, many times slower, on CPUs without it; the weights stay stored in bf16, as the launchers store them.
     return tiny_run_args(model_dir, data_dir, out, "--max_steps", "3", "--per_device_train_batch_size", str(batch_size),
                          "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant",
-                         "--lora_dropout", "0", "--splits", "train", "--save_strategy", "steps", "--save_steps", "3",
+                         "--lora_dropout", "0", "--splits", "train", "--save_strategy", "steps" if checkpoint else "no",
+                         "--save_steps", "3",
                          *(["--use_4bit_quantization", "true", "--bnb_4bit_compute_dtype", "float32"]
                            if quantized else []))
 
@@ -66,7 +67,8 @@ def test_two_processes_match_one_process_and_load_and_save_as_planned(wide_model
     config, engine, fsdp_version, quantized = CASES[case]
     out = tmp_path_factory.mktemp(case)
     mixed_precision = "bf16" if "mixed-precision" in case else "no"
-    launch_two_processes(WORKER, recipe_args(wide_model_dir, chat_dir, out, 2, quantized),
+    checkpoint = case == "fsdp2-lora"  # an intermediate (sharded) checkpoint, consolidated below
+    launch_two_processes(WORKER, recipe_args(wide_model_dir, chat_dir, out, 2, quantized, checkpoint),
                          REPO_DIR / "configs" / config, mixed_precision)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
