@@ -23,11 +23,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python train.py --overwrite_output_dir true
 
-# All tiers, in TEST_WORKERS processes of one torch thread each (on 2 cores: 5.5-7 instead of 7-9 minutes); where
-# this machine runs bf16 natively, the tests whose path branches on it run again as on a CPU without.
+# All tiers, in TEST_WORKERS processes of one torch thread each (plain load balancing: grouping the tests that share a
+# one-process reference on one worker was slower, 9:09-9:55 against 7:38-8:49); where this machine runs bf16
+# natively, the tests whose path branches on it run again as on a CPU without.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=10 tests
+	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load --durations=10 tests
 	if $(VENV)/bin/python -c "import sys, utils; sys.exit(not utils.native_bf16_supported())"; then \
 		$(MAKE) --no-print-directory test-no-native-bf16; fi
 
@@ -36,4 +37,4 @@ test-fast: $(STAMP)
 
 # The tests marked native_bf16, with the hardware probe answering "no native bf16" (utils.NATIVE_BF16_SWITCH).
 test-no-native-bf16: $(STAMP)
-	RECIPE_NATIVE_BF16=0 OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m native_bf16 tests
+	RECIPE_NATIVE_BF16=0 OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load -m native_bf16 tests

@@ -51,7 +51,7 @@ _single_runs = {}
 
 
 def one_process_run(model_dir, data_dir, out, quantized):
-    """The same run on one process with the whole global batch (once per method: see the xdist groups)."""
+    """The same run on one process with the whole global batch (once per test worker and method)."""
     if quantized not in _single_runs:
         trainer, _ = train.run(recipe_args(model_dir, data_dir, out, 4, quantized))
         _single_runs[quantized] = (losses(trainer.state.log_history), load_file(out / "adapter_model.safetensors"),
@@ -59,9 +59,7 @@ def one_process_run(model_dir, data_dir, out, quantized):
     return _single_runs[quantized]
 
 
-@pytest.mark.parametrize("case", [  # one test worker per method: its one-process run serves the three engines
-    pytest.param(case, marks=pytest.mark.xdist_group("4-bit" if quantized else "lora"))
-    for case, (_, _, _, quantized) in CASES.items()])
+@pytest.mark.parametrize("case", list(CASES))
 def test_two_processes_match_one_process_and_load_and_save_as_planned(wide_model_dir, chat_dir, tmp_path_factory,
                                                                       case):
     config, engine, fsdp_version, quantized = CASES[case]

@@ -72,7 +72,6 @@ def straight_run(model_dir, data_dir, out) -> Path:
     return _straight_runs["one"]
 
 
-@pytest.mark.xdist_group("straight-run")  # on one test worker: one straight run serves both
 @pytest.mark.parametrize("distributed", [pytest.param(False, marks=pytest.mark.e2e, id="one-process"),
                                          pytest.param(True, marks=pytest.mark.multiprocess, id="fsdp-2-processes")])
 def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_dir, tmp_path, distributed):
