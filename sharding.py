@@ -1,7 +1,7 @@
 """How the weights of a sharded run reach the ranks, and how the trained adapter leaves them.
 
-Load (FSDP with `fsdp_cpu_ram_efficient_loading: true`, and ZeRO-3 with a 4-bit model; configuration.settle decides,
-utils.build_model loads):
+Load (FSDP with `fsdp_cpu_ram_efficient_loading: true`, ZeRO-3 with `zero3_init_flag: true` or a 4-bit model;
+configuration.settle decides, utils.build_model loads):
 - global rank 0 reads the checkpoint into host RAM; a 4-bit model is quantized there too, on bitsandbytes' CPU
   backend, so the whole quantized model never sits on one GPU;
 - every other rank builds the same module tree on the meta device and reads nothing;
