@@ -60,26 +60,35 @@ def kill_after_checkpoint(argv, out, step, launcher=()):
     assert process.returncode == -signal.SIGKILL
 
 
-_straight_runs: dict[str, Path] = {}
+def straight_run(model_dir, data_dir, tmp_path_factory) -> Path:
+    """The uninterrupted 8-step run on one process: the reference of every resume test, run once per test session
+    (the pytest-xdist workers share it through a lock). Two processes of half the batch train the same steps
+    (tests/test_distributed.py: losses within 1e-5, here 1e-7)."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has a folder of its own under the session's
+        shared = shared.parent
+    out = shared / "straight-run"
+    with FileLock(f"{out}.lock"):
+        if not (out / "run_summary.json").is_file():
+            finish(recipe(model_dir, data_dir, out, 8, "--overwrite_output_dir", "true"))
+    return out
 
 
-def straight_run(model_dir, data_dir, out) -> Path:
-    """The uninterrupted 8-step run on one process (once per test worker): the reference of every resume test. Two
-    processes of half the batch train the same steps (tests/test_distributed.py: losses within 1e-5, here 1e-7)."""
-    if "one" not in _straight_runs:
-        finish(recipe(model_dir, data_dir, out, 8))
-        _straight_runs["one"] = out
-    return _straight_runs["one"]
-
-
-@pytest.mark.parametrize("distributed", [pytest.param(False, marks=pytest.mark.e2e, id="one-process"),
-                                         pytest.param(True, marks=pytest.mark.multiprocess, id="fsdp-2-processes")])
-def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_dir, tmp_path, distributed):
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/fsdp2_config.yaml",
+@pytest.mark.parametrize("config", [pytest.param(None, marks=pytest.mark.e2e, id="one-process"),
+                                    pytest.param("fsdp2_config.yaml", marks=pytest.mark.multiprocess,
+                                                 id="fsdp2-2-processes"),
+                                    pytest.param("deepspeed_config.yaml", marks=pytest.mark.multiprocess,
+                                                 id="zero3-2-processes")])
+def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_dir, tmp_path, tmp_path_factory,
+                                                            config):
+    distributed = config is not None
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/{config}",
                 "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", "train.py") \
         if distributed else ()
     batch = ["--per_device_train_batch_size", "4"] if distributed else []
-    straight_out = straight_run(tiny_model_dir, chat_dir, tmp_path / "straight")
+    straight_out = straight_run(tiny_model_dir, chat_dir, tmp_path_factory)
 
     out = tmp_path / "killed"
     kill_after_checkpoint(recipe(tiny_model_dir, chat_dir, out, 8, *batch), out, 4, launcher)
