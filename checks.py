@@ -96,9 +96,20 @@ def dataset_source(s: Configuration) -> Problem | None:
 # Hardware
 
 
+def has_attention_sinks(model_config) -> bool:
+    """gpt-oss's learned per-head sink logits (`sinks` parameters beside its attention)."""
+    from memory import meta_model
+
+    return any(name.endswith(".sinks") for name, _ in meta_model(model_config).named_parameters())
+
+
 def flash_attention(s: Configuration) -> Problem | None:
     if not s.model.use_flash_attn or not s.facts.here:
         return None
+    if s.facts.model_config is not None and has_attention_sinks(s.facts.model_config):
+        return Problem("error", "--use_flash_attn on a model with attention sinks (gpt-oss)", "flash-attn 2 has no "
+                       "sinks, and transformers 5 leaves them out without a word: the model would train on attention "
+                       "it was not built with", "drop the flag: the recipe's eager_varlen computes the sinks")
     if not s.facts.cuda:
         return Problem("error", "--use_flash_attn without a CUDA GPU", "flash-attn runs on CUDA only",
                        "drop the flag (sdpa is used)")
@@ -284,13 +295,24 @@ def no_layer_class_to_wrap(s: Configuration) -> Problem | None:
         return None
     if s.launch.env.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
         return None
-    if s.launch.env.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
-        return None
-    from memory import no_split_modules
+    from memory import meta_model
 
-    if not no_split_modules(s.facts.model_config):
-        return Problem("error", "TRANSFORMER_BASED_WRAP on a model with no _no_split_modules", "FSDP cannot find the "
-                       "transformer layer class to wrap", "fsdp_transformer_layer_cls_to_wrap: <DecoderLayerClass>")
+    model = meta_model(s.facts.model_config)
+    layers = list(getattr(model, "_no_split_modules", None) or [])
+    named = [name.strip() for name in s.launch.env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if name.strip()]
+    if not named:
+        if not layers:
+            return Problem("error", "TRANSFORMER_BASED_WRAP on a model with no _no_split_modules", "FSDP cannot find "
+                           "the transformer layer class to wrap", "fsdp_transformer_layer_cls_to_wrap: "
+                           "<DecoderLayerClass>")
+        return None
+    present = {type(module).__name__ for module in model.modules()}
+    missing = [name for name in named if name not in present]
+    if missing:  # accelerate would raise only once the weights are loaded
+        return Problem("error", f"fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which "
+                       f"{type(model).__name__} does not have", "FSDP would find no unit to wrap (a config copied "
+                       "from another model family)", f"fsdp_transformer_layer_cls_to_wrap: {','.join(layers)}, or "
+                       "leave the key out: the Trainer takes the model's own _no_split_modules")
     return None
 
 

@@ -21,7 +21,7 @@ import torch
 
 from arguments import RECIPE_DEFAULTS, ConfigError, DataArguments, ModelArguments, Request, parse_arguments
 from distributed import CPU_FSDP1_OVERRIDES, Launch, launch_environment
-from fast_paths import ATTENTION, compile_settings
+from fast_paths import ATTENTION, attention_for, compile_settings
 from utils import DEFAULT_MODEL_DIR, build_tokenizer, convert_default_model, gguf_source, is_flash_attn_installed
 from memory import GIB
 from utils import load_dtype, native_bf16_supported
@@ -207,9 +207,9 @@ def settle(request: Request, facts: Facts) -> Configuration:
         decisions.append(Decision("max_length (TRL)", None, f"padding-free batches: the recipe truncates each example "
                                   f"to {config.max_length} tokens itself; TRL refuses a length it would not enforce"))
     config.dtype = load_dtype(config.model, training)
-    config.attention = "flash_attention_2" if config.model.use_flash_attn else ATTENTION
-    decisions.append(Decision("attention", config.attention, "--use_flash_attn" if config.model.use_flash_attn else
-                              "sdpa run once per example of a packed or padding-free row (fast_paths.py)"))
+    config.attention, why = (("flash_attention_2", "--use_flash_attn") if config.model.use_flash_attn
+                             else attention_for(facts.model_config))
+    decisions.append(Decision("attention", config.attention, why))
     if config.quantized_4bit and facts.gpu_here and not facts.launch.sharded:
         config.device_map = {"": facts.launch.local_rank}
         decisions.append(Decision("device_map", config.device_map, "bitsandbytes quantizes while placing on the GPU"))

@@ -61,11 +61,6 @@ def meta_model(config):
     return model
 
 
-def no_split_modules(config) -> list[str]:
-    """The decoder-layer classes FSDP's transformer auto-wrap policy wraps (empty for many remote-code models)."""
-    return list(getattr(meta_model(config), "_no_split_modules", None) or [])
-
-
 def load_config(model: str):
     """A preset name, a config.json, or a model folder / cached Hub id."""
     from transformers import AutoConfig, LlamaConfig

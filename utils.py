@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fast_paths import ATTENTION, register_attention
+from fast_paths import ATTENTION, EAGER_ATTENTION, register_attention
 
 REPO_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = str(REPO_DIR / "models" / "SmolLM2-135M-Instruct")
@@ -180,8 +180,8 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     the quantization state placed on `device`, the training device."""
     from transformers import AutoModelForCausalLM
 
-    if attention == ATTENTION:
-        register_attention()
+    if attention in (ATTENTION, EAGER_ATTENTION):
+        register_attention(attention)
     quantization_config = build_quantization_config(model_args)
     with zero3_config_hidden(weights_from_rank0):
         model = AutoModelForCausalLM.from_pretrained(

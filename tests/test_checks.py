@@ -128,22 +128,30 @@ def test_bf16_rule_follows_the_hardware():
     assert fired(checks.bf16_support, setup(["--bf16", "true"], here=False)) is None  # checking a GPU launch
 
 
-def test_model_without_a_layer_class_to_wrap(tiny_model_dir):
+def test_layer_class_to_wrap_is_the_models_own(tiny_model_dir, monkeypatch):
     from transformers import AutoConfig
+
+    import memory
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     fsdp = launch("fsdp2_config.yaml")
     assert fired(checks.no_layer_class_to_wrap, setup([], fsdp, model_config=config)) is None
-    import memory
+    named = launch("fsdp2_config.yaml", FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer")
+    assert fired(checks.no_layer_class_to_wrap, setup([], named, model_config=config)) is None
+    copied = launch("fsdp2_config.yaml", FSDP_TRANSFORMER_CLS_TO_WRAP="MistralDecoderLayer")  # another family's config
+    problem = checks.no_layer_class_to_wrap(setup([], copied, model_config=config))
+    assert problem.level == "error" and "MistralDecoderLayer" in str(problem) and "LlamaDecoderLayer" in problem.fix
 
-    original = memory.no_split_modules
-    try:
-        memory.no_split_modules = lambda config: []  # as for many remote-code models
-        assert fired(checks.no_layer_class_to_wrap, setup([], fsdp, model_config=config)) == "error"
-        named = launch("fsdp2_config.yaml", FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer")
-        assert fired(checks.no_layer_class_to_wrap, setup([], named, model_config=config)) is None
-    finally:
-        memory.no_split_modules = original
+    build = memory.meta_model
+
+    def without_layer_classes(model_config):  # as many remote-code models are
+        model = build(model_config)
+        model._no_split_modules = None
+        return model
+
+    monkeypatch.setattr(memory, "meta_model", without_layer_classes)
+    assert fired(checks.no_layer_class_to_wrap, setup([], fsdp, model_config=config)) == "error"
+    assert fired(checks.no_layer_class_to_wrap, setup([], named, model_config=config)) is None
 
 
 def test_every_problem_is_reported_at_once_errors_first():

@@ -1,0 +1,125 @@
+"""Every model family the recipe claims, as tiny random models: the recipe's attention on packed rows equals each
+example run alone through the family's own eager attention (sliding windows, Gemma-2's logit softcapping, gpt-oss's
+sinks included), in logits and gradients, and generation after a training step equals eager's."""
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from fast_paths import attention_for, register_attention, sdpa_varlen_forward
+
+WINDOW = 8  # shorter than the examples below, so a window that is ignored changes the numbers
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=WINDOW),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                              max_window_layers=1),  # layer 0 full, layer 1 sliding
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                              max_window_layers=1),
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, sliding_window=WINDOW, attn_logit_softcapping=2.0,
+                                                final_logit_softcapping=30.0),  # 2.0: the cap bites at this scale
+    "gemma3": lambda: transformers.Gemma3TextConfig(**COMMON, sliding_window=WINDOW, sliding_window_pattern=2),
+    "phi3": lambda: transformers.Phi3Config(**{k: v for k, v in COMMON.items() if k != "head_dim"},
+                                            sliding_window=WINDOW),
+    "gpt_oss": lambda: transformers.GptOssConfig(**COMMON, sliding_window=WINDOW, num_local_experts=4,
+                                                 num_experts_per_tok=2),
+}
+LENGTHS = [21, 14, 9]
+
+
+def tiny_model(family: str):
+    config = FAMILIES[family]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():  # random weights of a trained model's scale: attention far from uniform
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.2)
+    return model
+
+
+def token_log_likelihood(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Summed next-token log-likelihood of one example (a sum, so packed and separate runs compare exactly)."""
+    return logits[:-1].log_softmax(-1).gather(-1, ids[1:, None]).sum()
+
+
+def packed_batch(examples: list[torch.Tensor]) -> dict:
+    """One padding-free row, as TRL's collator gives it: positions restart per example, boundaries in cu_seq_lens."""
+    bounds = torch.tensor([0, *torch.tensor([len(x) for x in examples]).cumsum(0).tolist()], dtype=torch.int32)
+    longest = max(len(x) for x in examples)
+    positions = torch.cat([torch.arange(len(x)) for x in examples])
+    return dict(input_ids=torch.cat(examples)[None], position_ids=positions[None],
+                cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_rows_equal_each_example_alone_and_generation_equals_eager(family):
+    model = tiny_model(family)
+    attention, _ = attention_for(model.config)
+    assert attention == ("eager_varlen" if family in ("gemma2", "gpt_oss") else "sdpa_varlen")
+    torch.manual_seed(1)
+    examples = [torch.randint(3, COMMON["vocab_size"], (n,)) for n in LENGTHS]
+
+    alone = [model(input_ids=x[None], use_cache=False).logits[0] for x in examples]  # the family's eager attention
+    sum(token_log_likelihood(logits, x) for logits, x in zip(alone, examples)).backward()
+    reference = gradients(model)
+
+    model.set_attn_implementation(register_attention(attention))
+    logits = model(**packed_batch(examples), use_cache=False).logits[0]
+    torch.testing.assert_close(logits, torch.cat(alone), rtol=0, atol=2e-5)
+    loss = -sum(token_log_likelihood(part, x) for part, x in zip(logits.split(LENGTHS), examples))
+    (-loss).backward()
+    packed = gradients(model)
+    assert packed.keys() == reference.keys()
+    for name, grad in reference.items():  # float rounding of sums in another order: 3e-6 of the largest (measured)
+        torch.testing.assert_close(packed[name], grad, rtol=0, atol=2e-5 * grad.abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+
+    with torch.no_grad():  # a training step through the recipe's attention, then generation past the window
+        for name, parameter in model.named_parameters():
+            parameter.sub_(0.05 * packed[name])
+    prompt = examples[0][None, :12]
+    generated = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    scores = model(input_ids=prompt, use_cache=False).logits
+    model.set_attn_implementation("eager")
+    assert torch.equal(generated, model.generate(prompt, max_new_tokens=6, do_sample=False))
+    torch.testing.assert_close(scores, model(input_ids=prompt, use_cache=False).logits, rtol=0, atol=2e-5)
+
+
+def test_packed_rows_that_ignored_the_window_or_the_softcap_would_miss_by_far():
+    """The tolerance above tells the difference: the same per-example attention without the sliding window (Mistral)
+    or the logit softcap (Gemma-2), as the recipe's attention was before, misses each example alone by far more."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    def without_window_and_softcap(*args, sliding_window=None, softcap=None, **kwargs):
+        return sdpa_varlen_forward(*args, **kwargs)
+
+    AttentionInterface.register("varlen_without_window_and_softcap", without_window_and_softcap)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("varlen_without_window_and_softcap", sdpa_mask)
+    for family in ("mistral", "gemma2"):
+        model = tiny_model(family)
+        torch.manual_seed(1)
+        examples = [torch.randint(3, COMMON["vocab_size"], (n,)) for n in LENGTHS]
+        alone = torch.cat([model(input_ids=x[None], use_cache=False).logits[0] for x in examples])
+        model.set_attn_implementation("varlen_without_window_and_softcap")
+        assert (model(**packed_batch(examples), use_cache=False).logits[0] - alone).abs().max() > 1e-2, family
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama"])
+def test_flash_attention_is_refused_where_it_would_drop_the_sinks(family):
+    import checks
+    from conftest import settled
+
+    config = settled(["--use_flash_attn", "true"], model_config=FAMILIES[family](), cuda=True, flash_attn=True)
+    problem = checks.flash_attention(config)
+    assert (problem.level, "eager_varlen" in problem.fix) == ("error", True) if family == "gpt_oss" else problem is None
