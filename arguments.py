@@ -25,6 +25,7 @@ from utils import DEFAULT_MODEL_DIR
 CHAT_TEMPLATE_FORMATS = ("none", "chatml", "zephyr")
 DTYPES = ("bfloat16", "float16", "float32")
 QUANT_STORAGE_DTYPES = ("uint8", *DTYPES)
+LONG_EXAMPLES = ("truncate", "skip", "stop")
 DEFAULT_DATASET = str(Path(__file__).resolve().parent / "data" / "dates")
 
 
@@ -133,13 +134,21 @@ class DataArguments:
     )
     bad_examples: str = field(
         default="stop",
-        metadata={"help": "stop: a malformed example (bad JSON, missing column, unknown role, empty answer, answer cut "
-                  "by --max_length, non-UTF-8) stops the run, naming file and line. skip: leave such examples out, "
-                  "counted and reported.", "choices": ("stop", "skip")},
+        metadata={"help": "stop: a malformed example (bad JSON, missing column, unknown role, empty answer, "
+                  "non-UTF-8) stops the run, naming file and line. skip: leave such examples out, counted and "
+                  "reported.", "choices": ("stop", "skip")},
+    )
+    long_examples: str = field(
+        default="truncate",
+        metadata={"help": "An example whose supervised tokens reach past --max_length. truncate: train on what fits, "
+                  "as TRL does; the cut examples and the supervised tokens they lose are reported (log and "
+                  "run_summary.json). skip: leave them out, counted. stop: stop the run, naming them.",
+                  "choices": LONG_EXAMPLES},
     )
 
     def __post_init__(self):
         _require_choice("bad_examples", self.bad_examples, ("stop", "skip"))
+        _require_choice("long_examples", self.long_examples, LONG_EXAMPLES)
         names = [s.strip() for s in self.splits.split(",") if s.strip()]
         unknown = [s for s in names if s not in ("train", "test", "validation")]
         if unknown:
@@ -159,6 +168,13 @@ class DataArguments:
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, SFTConfig)
+
+# Names the reference recipe (huggingface/peft examples/sft) passes that the pinned stack spells otherwise: taken under
+# the new name, with a note among the run's decisions, so its launch commands run as they are written.
+RENAMED = {
+    "max_seq_len": ("max_length", "the reference recipe's name for TRL's max_length"),
+    "warmup_ratio": ("warmup_steps", "transformers 5 removed warmup_ratio; a warmup_steps below 1 is that ratio"),
+}
 
 
 # Where the recipe departs from TRL's defaults, and why. Defaults that depend on the machine (bf16, use_cpu, activation
@@ -191,6 +207,7 @@ class Request:
     data: DataArguments
     training: dict[str, Any]  # SFTConfig keys the user set, with their values
     check: bool = False  # --check: check the configuration and stop, before any data or weights are read
+    renamed: dict[str, str] = field(default_factory=dict)  # new name: old name, for the keys given as in RENAMED
     accelerate_config: str | None = None  # --accelerate_config FILE: check the launch this config would give
     gpu_gib: float | None = None  # --gpu_gib N: the memory of each GPU of that launch
 
@@ -227,13 +244,17 @@ def read_config_file(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} must hold a mapping of argument names to values.")
-    unknown = [key for key in values if key not in known_keys()]
+    unknown = [key for key in values if key not in known_keys() and key not in RENAMED]
     if unknown:
-        hints = [f"{key} (did you mean {difflib.get_close_matches(key, known_keys(), n=1)[0]}?)"
-                 if difflib.get_close_matches(key, known_keys(), n=1) else key for key in unknown]
-        raise ConfigError(f"config file {path} has unknown keys: {', '.join(hints)}; "
+        raise ConfigError(f"config file {path} has unknown keys: {', '.join(map(with_suggestion, unknown))}; "
                           "use the names `python train.py --help` lists.")
     return values
+
+
+def with_suggestion(key: str, prefix: str = "") -> str:
+    """An unknown argument name, with the closest known one if any is close."""
+    close = difflib.get_close_matches(key, known_keys(), n=1)
+    return f"{prefix}{key} (did you mean {prefix}{close[0]}?)" if close else f"{prefix}{key}"
 
 
 def take_mode_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
@@ -258,20 +279,45 @@ def take_mode_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
     return argv, mode
 
 
+def take_renamed(argv: list[str], file_values: dict[str, Any]) -> tuple[list[str], dict[str, Any], dict[str, str]]:
+    """argv and file values with the names in RENAMED replaced by the pinned stack's, and which were replaced."""
+    renamed: dict[str, str] = {}
+    flag_names = {word[2:].partition("=")[0] for word in argv if word.startswith("--")}
+
+    def rename(key: str, given: set[str]) -> str:
+        if key not in RENAMED:
+            return key
+        new = RENAMED[key][0]
+        if new in given:
+            raise ConfigError(f"both {key} and {new} are given; keep {new} alone.")
+        renamed[new] = key
+        return new
+
+    file_values = {rename(key, set(file_values)): value for key, value in file_values.items()}
+    argv = [f"--{rename(w[2:].partition('=')[0], flag_names)}{'=' if '=' in w else ''}{w.partition('=')[2]}"
+            if w.startswith("--") else w for w in argv]
+    return argv, file_values, renamed
+
+
 def parse_arguments(argv: list[str]) -> Request:
     """The user's request from a config file (first) and flags; the recipe's own arguments are checked here."""
     argv, mode = take_mode_flags(argv)
     file_values: dict[str, Any] = {}
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         file_values = read_config_file(argv.pop(0))
+    argv, file_values, renamed = take_renamed(argv, file_values)
 
     namespace, unknown = _flag_parser().parse_known_args(argv)
     if unknown:
-        raise ConfigError(f"unknown arguments: {' '.join(unknown)}; `python train.py --help` lists the flags.")
+        words = [with_suggestion(word[2:], "--") if word.startswith("--") else word for word in unknown]
+        raise ConfigError(f"unknown arguments: {' '.join(words)}; `python train.py --help` lists the flags.")
     given, owner = {**file_values, **vars(namespace)}, known_keys()
 
     def values_of(cls) -> dict[str, Any]:
         return {key: value for key, value in given.items() if owner[key] is cls}
 
+    if "warmup_ratio" in renamed.values() and not 0 <= float(given["warmup_steps"]) < 1:
+        raise ConfigError(f"warmup_ratio {given['warmup_steps']}: a ratio from 0 to below 1 (transformers 5 reads "
+                          "warmup_steps below 1 as a ratio); for more, give --warmup_steps as a number of steps.")
     return Request(ModelArguments(**values_of(ModelArguments)), DataArguments(**values_of(DataArguments)),
-                   values_of(SFTConfig), **mode)
+                   values_of(SFTConfig), renamed=renamed, **mode)

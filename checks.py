@@ -79,6 +79,10 @@ def model_source(s: Configuration) -> Problem | None:
 
 
 def tokenizer_builds(s: Configuration) -> Problem | None:
+    if s.facts.tokenizer_absent:
+        return Problem("warning", f"{s.model.model_name_or_path} has no tokenizer files: the chat template and its "
+                       "added tokens were not checked", "a config.json alone describes the model, not its tokenizer",
+                       "training needs them: copy the model's tokenizer files into the folder (or use its Hub id)")
     if s.facts.tokenizer_problem:
         return Problem("error", f"the tokenizer of {s.model.model_name_or_path} could not be prepared",
                        s.facts.tokenizer_problem.rstrip("."), "pick a template it works with (--chat_template_format), "
@@ -262,8 +266,9 @@ def deepspeed_set_twice(s: Configuration) -> Problem | None:
 def zero3_non_reentrant(s: Configuration) -> Problem | None:
     if (s.launch.zero_stage == 3 and s.uses_peft and s.training.activation_checkpointing
             and not s.model.use_reentrant):
-        return Problem("error", "ZeRO-3 + LoRA with non-reentrant activation checkpointing", "recomputation fails "
-                       "with 'Recomputed values ... shape [0]'", "--use_reentrant true")
+        return Problem("warning", "--use_reentrant false under ZeRO-3 + LoRA: the run uses reentrant checkpointing",
+                       "non-reentrant recomputation fails with 'Recomputed values ... shape [0]' (TRL overrides it "
+                       "too, as the reference recipe's DeepSpeed command relies on)", "--use_reentrant true")
     return None
 
 

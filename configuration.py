@@ -19,12 +19,17 @@ from typing import Any
 import psutil
 import torch
 
-from arguments import RECIPE_DEFAULTS, ConfigError, DataArguments, ModelArguments, Request, parse_arguments
+from arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, ModelArguments, Request,
+                       parse_arguments)
 from distributed import CPU_FSDP1_OVERRIDES, Launch, launch_environment
-from fast_paths import ATTENTION, attention_for, compile_settings
+from fast_paths import ATTENTION, EAGER_ATTENTION, attention_for, compile_settings
 from utils import DEFAULT_MODEL_DIR, build_tokenizer, convert_default_model, gguf_source, is_flash_attn_installed
 from memory import GIB
 from utils import load_dtype, native_bf16_supported
+
+
+# Any of these in a model folder is a tokenizer to load (fast, sentencepiece, BPE vocabularies)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 @dataclass
@@ -45,6 +50,7 @@ class Facts:
     tokenizer: Any = None  # the tokenizer with the chosen chat template, when it could be loaded
     added_token_ids: list[int] = field(default_factory=list)  # tokens that template added to the vocabulary
     tokenizer_problem: str | None = None  # why the tokenizer could not be built
+    tokenizer_absent: bool = False  # --check of a model folder without tokenizer files (a config.json alone)
 
     @cached_property
     def shapes(self):
@@ -104,7 +110,10 @@ def gather(request: Request) -> Facts:
     facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16, flash_attn=is_flash_attn_installed(),
                   gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
                   model_config=read_model_config(model.model_name_or_path, trust, token))
-    if facts.model_config is not None:
+    folder = Path(model.model_name_or_path)
+    if request.check and folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        facts.tokenizer_absent = True  # a config.json alone: everything but the tokenizer can still be checked
+    elif facts.model_config is not None:
         try:
             facts.tokenizer, facts.added_token_ids = build_tokenizer(model, trust, token)
         except Exception as err:  # a template the tokenizer cannot take, or tokenizer files that do not load
@@ -165,7 +174,16 @@ def settle(request: Request, facts: Facts) -> Configuration:
     from trl import SFTConfig
 
     given, decisions = request.training, []
+    engine_flags = [key for key in ("fsdp", "fsdp_config", "deepspeed") if given.get(key)]
+    if engine_flags:  # the Trainer would build the engine itself, past the launch this recipe checks and plans for
+        raise ConfigError(f"--{' / --'.join(engine_flags)} set up sharding inside the Trainer, where preflight, the "
+                          "memory plan and the CPU engine cannot see it. Launch with an accelerate config instead: "
+                          "`accelerate launch --config_file configs/fsdp2_config.yaml train.py ...` (FSDP) or "
+                          "configs/deepspeed_config.yaml (ZeRO-3); configs/README.md lists them, and `python "
+                          "distributed.py translate` turns one engine's config into the other's.")
     values = {**RECIPE_DEFAULTS, **given}
+    for key, old in request.renamed.items():
+        decisions.append(Decision(key, given[key], f"given as {old}, {RENAMED[old][1]}"))
 
     def default(key: str, value: Any, why: str) -> None:
         if key not in given:
@@ -194,22 +212,26 @@ def settle(request: Request, facts: Facts) -> Configuration:
         raise ConfigError(f"invalid training arguments: {err}") from None
 
     config = Configuration(request.model, request.data, training, facts, decisions=decisions)
+    # before the memory plan below: eager attention per example stores its scores
+    config.attention, why = (("flash_attention_2", "--use_flash_attn") if config.model.use_flash_attn
+                             else attention_for(facts.model_config))
+    decisions.append(Decision("attention", config.attention, why))
     if not checkpointing_given:
         decide_activation_checkpointing(config)
     if training.activation_checkpointing:
         # transformers 5 picks non-reentrant when no kwargs are given; ZeRO-3 + LoRA needs reentrant
-        training.activation_checkpointing_kwargs = {"use_reentrant": config.model.use_reentrant}
-        decisions.append(Decision("activation_checkpointing_kwargs", training.activation_checkpointing_kwargs,
-                                  "from --use_reentrant"))
+        reentrant, why = config.model.use_reentrant, "from --use_reentrant"
+        if not reentrant and facts.launch.zero_stage == 3 and config.uses_peft:  # what TRL does (it warns too)
+            reentrant, why = True, ("--use_reentrant false overridden: ZeRO-3 + LoRA cannot recompute non-reentrant "
+                                    "checkpoints ('Recomputed values ... shape [0]'); TRL overrides it the same way")
+        training.activation_checkpointing_kwargs = {"use_reentrant": reentrant}
+        decisions.append(Decision("activation_checkpointing_kwargs", training.activation_checkpointing_kwargs, why))
     config.max_length = training.max_length
     if training.padding_free and not training.packing:
         training.max_length = None
         decisions.append(Decision("max_length (TRL)", None, f"padding-free batches: the recipe truncates each example "
                                   f"to {config.max_length} tokens itself; TRL refuses a length it would not enforce"))
     config.dtype = load_dtype(config.model, training)
-    config.attention, why = (("flash_attention_2", "--use_flash_attn") if config.model.use_flash_attn
-                             else attention_for(facts.model_config))
-    decisions.append(Decision("attention", config.attention, why))
     if config.quantized_4bit and facts.gpu_here and not facts.launch.sharded:
         config.device_map = {"": facts.launch.local_rank}
         decisions.append(Decision("device_map", config.device_map, "bitsandbytes quantizes while placing on the GPU"))
@@ -270,7 +292,8 @@ def planned_run(config: Configuration):
                nested_quant=config.model.use_nested_quant, device="cuda" if config.facts.cuda else "cpu",
                precision="bf16" if training.bf16 or config.quantized_4bit else "fp32",
                fsdp_version=launch.fsdp_version, weights_from_rank0=config.weights_from_rank0,
-               checkpoint_dtype=checkpoint_dtype(config.facts.model_config))
+               checkpoint_dtype=checkpoint_dtype(config.facts.model_config),
+               eager_attention=config.attention == EAGER_ATTENTION)
 
 
 def checkpoint_dtype(model_config) -> str:

@@ -88,6 +88,7 @@ class Shapes:
     intermediate: int
     kv_dim: int
     vocab: int
+    heads: int = 1  # attention heads (what eager attention's score matrices scale with)
 
     @property
     def outside_layers(self) -> int:
@@ -119,6 +120,7 @@ class Shapes:
             intermediate=config.intermediate_size,
             kv_dim=getattr(config, "num_key_value_heads", heads) * head_dim,
             vocab=config.vocab_size,
+            heads=heads,
         )
 
 
@@ -142,6 +144,7 @@ class Run:
     fsdp_version: int = 2
     weights_from_rank0: bool = True  # FSDP fsdp_cpu_ram_efficient_loading: rank 0 reads, the other ranks receive
     checkpoint_dtype: str = "bfloat16"  # of the checkpoint files (config.json's dtype)
+    eager_attention: bool = False  # eager_varlen (Gemma-2, gpt-oss): each example's seq^2 scores are materialized
 
 
 @dataclass
@@ -229,6 +232,13 @@ def plan(shapes: Shapes, run: Run) -> Plan:
         activations = act_layer * shapes.num_layers
         p.assumptions.append("no activation checkpointing: per layer and token 10 x hidden + 2 x kv + 5 x "
                              "intermediate bf16 values are kept (attention by sdpa/flash)")
+    if run.eager_attention:
+        # Per layer: the scores, their softcapped and softmaxed (fp32) forms and the cast back, for each example of
+        # at most seq tokens: at most batch x seq^2 scores per head
+        scores = run.batch * shapes.heads * run.seq ** 2 * (3 * act_bytes + 4)
+        activations += scores * (1 if run.checkpointing else shapes.num_layers)
+        p.assumptions.append("eager attention per example (softcapping or sinks): each head's seq x seq scores kept "
+                             f"in {3 * act_bytes + 4} bytes each (scores, capped, fp32 softmax, cast)")
     if run.method != "full":
         # Each LoRA branch keeps its own copy of the layer input: cast to the adapter dtype (fp32 adapters on bf16
         # activations) and after dropout.
@@ -474,6 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}), a config.json or a model")
     defaults = Run()
     for name, value in asdict(defaults).items():
+        if name == "eager_attention":  # the model's family decides it, as in a run
+            continue
         if isinstance(value, bool):
             parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=value)
         else:
@@ -481,8 +493,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu_gib", type=float, help="GPU memory, to say whether the plan fits")
     args = vars(parser.parse_args(argv))
     model, gpu_gib = args.pop("model"), args.pop("gpu_gib")
-    run = Run(**args)
-    print(format_plan(run, plan(Shapes.of(load_config(model)), run), gpu_gib))
+    from fast_paths import EAGER_ATTENTION, attention_for
+
+    config = load_config(model)
+    run = Run(**args, eager_attention=attention_for(config)[0] == EAGER_ATTENTION)
+    print(format_plan(run, plan(Shapes.of(config), run), gpu_gib))
 
 
 if __name__ == "__main__":

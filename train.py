@@ -74,7 +74,9 @@ def run(argv: list[str]):
     save_adapter(trainer, config.launch.sharded)
     peaks.end()
     summary.update(trained_examples=data.counts["examples"], trained_tokens=data.counts["tokens"],
-                   skipped_examples=len(data.skipped), train_loss=result.training_loss, train_steps=result.global_step,
+                   skipped_examples=len(data.skipped), truncated_examples=len(data.truncated),
+                   truncated_supervised_tokens=sum(t.lost for t in data.truncated), train_loss=result.training_loss,
+                   train_steps=result.global_step,
                    step_seconds=step_times.seconds, memory_by_rank=every_rank(peaks.phases))
     if config.data.eval_split and config.training.eval_strategy == "no" and config.launch.num_processes == 1:
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -133,14 +135,25 @@ def load_data(config: Configuration) -> TrainingData:
     """Tokenized and checked before the weights: a data problem stops the run while it is still cheap."""
     data_args, training = config.data, config.training
     try:
+        # bfd packing (TRL's default) truncates what does not fit as padding-free batches do; its other strategies
+        # carry the rest of a long example on into another row, so nothing is lost there
+        cuts = not training.packing or training.packing_strategy == "bfd"
         data = prepare(data_args.dataset_name, data_args.split_names, config.facts.tokenizer,
-                       max_length=config.max_length, truncate=not training.packing, bad_examples=data_args.bad_examples,
+                       max_length=config.max_length if cuts else None, truncate=not training.packing,
+                       bad_examples=data_args.bad_examples, long_examples=data_args.long_examples,
                        text_field=training.dataset_text_field, add_special_tokens=data_args.add_special_tokens,
                        append_concat_token=data_args.append_concat_token, token=config.hub_token)
     except (DataError, ValueError, FileNotFoundError) as err:
         stop([str(err)])
     except Exception as err:  # datasets' own parse errors: name the source
         stop([f"could not read dataset {data_args.dataset_name}: {type(err).__name__}: {err}"])
+    if data.data_format == "conversational" and not data_args.append_concat_token:
+        log("note: --append_concat_token false does not apply to chat data, which ends each turn with its template's "
+            "end-of-turn token either way (it is the reference recipe's value for chat)")
+    if data.truncated:
+        log(f"truncated {len(data.truncated)} examples longer than --max_length {config.max_length}, losing "
+            f"{sum(t.lost for t in data.truncated)} supervised tokens (--long_examples: truncate; skip or stop "
+            f"instead), first: {data.truncated[0]}")
     if data.skipped:
         log(f"skipped {len(data.skipped)} bad examples ({summarize(data.skipped)}), first: {data.skipped[0]}")
     log(f"data: {data_args.dataset_name} ({data.data_format}), "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ ROLES = {"system", "user", "assistant", "tool"}
 class BadExample:
     origin: str
     reason: str
+    lost: int = 0  # an example longer than --max_length: the supervised tokens truncation cuts off
 
     def __str__(self) -> str:
         return f"{self.origin}: {self.reason}"
@@ -39,8 +40,13 @@ class DataError(ValueError):
     def __init__(self, bad: list[BadExample], total: int):
         shown = "\n  ".join(str(b) for b in bad[:20])
         more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
-        super().__init__(f"{len(bad)} of {total} examples are malformed:\n  {shown}{more}\nFix the data, or pass "
-                         "--bad_examples skip to train without them (they are counted and reported).")
+        malformed, long = any(not b.lost for b in bad), any(b.lost for b in bad)
+        fixes = ["fix the data, or pass --bad_examples skip to train without them (counted and reported)"] * malformed
+        fixes += ["raise --max_length, or pass --long_examples truncate (train on what fits, as TRL does) or skip "
+                  "(leave them out); either is counted and reported"] * long
+        what = "malformed or too long" if malformed and long else "malformed" if malformed else "too long"
+        super().__init__(f"{len(bad)} of {total} examples are {what}:\n  {shown}{more}\n"
+                         + "; ".join(fixes).capitalize() + ".")
         self.bad = bad
 
 
@@ -112,14 +118,15 @@ def check_example(row: dict, data_format: str, text_field: str) -> str | None:
     return None
 
 
-def too_long(example: dict, max_length: int | None) -> str | None:
-    """An example whose supervised tokens would be cut off by truncation to max_length."""
+def too_long(example: dict, max_length: int | None) -> BadExample | None:
+    """An example whose supervised tokens would be cut off by truncation to max_length, with how many."""
     if not max_length or len(example["input_ids"]) <= max_length:
         return None
-    last_supervised = max(i for i, label in enumerate(example["labels"]) if label != IGNORE_INDEX)
-    if last_supervised < max_length:
+    lost = sum(label != IGNORE_INDEX for label in example["labels"][max_length:])
+    if not lost:
         return None
-    return f"{len(example['input_ids'])} tokens, longer than --max_length {max_length}: its answer would be cut"
+    return BadExample(example[ORIGIN], f"{len(example['input_ids'])} tokens, longer than --max_length {max_length}: "
+                      f"truncation cuts {lost} supervised tokens", lost)
 
 
 def summarize(bad: list[BadExample]) -> str:
@@ -277,10 +284,10 @@ def tokenize_splits(raw, data_format: str, tokenizer, *, max_length: int | None,
 
     Returns the tokenized splits (with each example's origin) and the examples whose answer truncation to max_length
     would cut, as bad examples."""
-    if data_format == "conversational" and (add_special_tokens or not append_concat_token):
-        raise ValueError("--add_special_tokens / --append_concat_token apply to text and prompt/completion data; chat "
-                         "data takes its special and end-of-turn tokens from the chat template. Drop these flags, or "
-                         "choose the template with --chat_template_format.")
+    if data_format == "conversational" and add_special_tokens:  # False, the reference recipe's value, is chat's own
+        raise ValueError("--add_special_tokens true applies to text and prompt/completion data; chat data takes its "
+                         "special tokens from the chat template (the tokenizer would add a second BOS). Drop the "
+                         "flag, or choose the template with --chat_template_format.")
     tokenized, bad = {}, []
     for split, dataset in raw.items():
         dataset = dataset.map(
@@ -293,8 +300,8 @@ def tokenize_splits(raw, data_format: str, tokenizer, *, max_length: int | None,
         longest = 0
         for example in dataset:
             longest = max(longest, len(example["input_ids"]))
-            if problem := too_long(example, max_length):
-                bad.append(BadExample(example[ORIGIN], problem))
+            if long := too_long(example, max_length):
+                bad.append(long)
         if truncate and max_length and longest > max_length:
             dataset = dataset.map(truncate_example, fn_kwargs={"max_length": max_length}, desc=f"Truncating {split}")
         tokenized[split] = dataset
@@ -324,20 +331,24 @@ class TrainingData:
     datasets: dict  # the tokenized splits, bad examples left out
     data_format: str
     counts: dict  # examples, tokens and supervised tokens of the train split
-    skipped: list[BadExample]  # bad examples left out (--bad_examples skip)
+    skipped: list[BadExample]  # bad examples left out (--bad_examples skip, --long_examples skip)
+    truncated: list[BadExample] = field(default_factory=list)  # trained cut to --max_length (--long_examples truncate)
 
 
 def prepare(dataset_name: str, splits: list[str], tokenizer, *, max_length: int | None, truncate: bool,
-            bad_examples: str = "stop", text_field: str = "text", add_special_tokens: bool = False,
-            append_concat_token: bool = True, token: str | None = None) -> TrainingData:
-    """Load, check and tokenize. Raises DataError naming every bad example under `bad_examples="stop"`, ValueError
-    for a source or format problem."""
-    raw, bad, data_format = load_splits(dataset_name, splits, text_field, token)
-    tokenized, cut = tokenize_splits(raw, data_format, tokenizer, max_length=max_length, truncate=truncate,
-                                     text_field=text_field, add_special_tokens=add_special_tokens,
-                                     append_concat_token=append_concat_token)
-    bad += cut
-    if bad and bad_examples == "stop":
-        raise DataError(bad, sum(len(split) for split in raw.values()) + len(bad) - len(cut))
-    datasets = drop_bad(tokenized, bad)
-    return TrainingData(raw, datasets, data_format, token_counts(datasets["train"]), bad)
+            bad_examples: str = "stop", long_examples: str = "truncate", text_field: str = "text",
+            add_special_tokens: bool = False, append_concat_token: bool = True,
+            token: str | None = None) -> TrainingData:
+    """Load, check and tokenize. Raises DataError naming every malformed example under `bad_examples="stop"` and
+    every example truncation would cut under `long_examples="stop"`; ValueError for a source or format problem."""
+    raw, malformed, data_format = load_splits(dataset_name, splits, text_field, token)
+    tokenized, long = tokenize_splits(raw, data_format, tokenizer, max_length=max_length, truncate=truncate,
+                                      text_field=text_field, add_special_tokens=add_special_tokens,
+                                      append_concat_token=append_concat_token)
+    stopping = (malformed if bad_examples == "stop" else []) + (long if long_examples == "stop" else [])
+    if stopping:
+        raise DataError(stopping, sum(len(split) for split in raw.values()) + len(malformed))
+    left_out = malformed + (long if long_examples == "skip" else [])
+    datasets = drop_bad(tokenized, left_out)
+    return TrainingData(raw, datasets, data_format, token_counts(datasets["train"]), left_out,
+                        long if long_examples == "truncate" else [])

@@ -81,9 +81,9 @@ def test_unknown_key_in_file_is_refused_with_a_suggestion(tmp_path):
         parse_arguments([str(path)])
 
 
-def test_unknown_flag_is_refused():
-    with pytest.raises(ConfigError, match="unknown arguments: --max_seq_len 512"):
-        parse_arguments(["--max_seq_len", "512"])
+def test_unknown_flag_is_refused_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"unknown arguments: --lora_alfa \(did you mean --lora_alpha\?\) 16"):
+        parse_arguments(["--lora_alfa", "16"])
 
 
 def test_missing_config_file_is_refused(tmp_path):
@@ -98,6 +98,8 @@ def test_missing_config_file_is_refused(tmp_path):
     (["--splits", "train,dev"], "train, test, validation"),
     (["--lora_r", "0"], "must be positive"),
     (["--warmup_steps", "-1"], "invalid training arguments"),
+    (["--fsdp", "full_shard auto_wrap"], "--fsdp set up sharding inside the Trainer.*configs/fsdp2_config.yaml"),
+    (["--deepspeed", "ds.json"], "--deepspeed set up sharding inside the Trainer.*configs/deepspeed_config.yaml"),
 ])
 def test_bad_combinations_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -110,3 +112,18 @@ def test_unknown_template_name_is_refused_from_a_file_too(tmp_path):
     with pytest.raises(ConfigError, match="chat_template_format 'llama3' is not one of none, chatml, zephyr"):
         parse_arguments([str(path)])
 
+
+
+def test_the_reference_recipes_old_names_are_taken_with_a_note(tmp_path):
+    config = settled(["--max_seq_len", "1024", "--warmup_ratio", "0.05"])
+    assert (config.max_length, config.training.warmup_steps) == (1024, 0.05)
+    notes = {d.setting: d.why for d in config.decisions}
+    assert "given as max_seq_len" in notes["max_length"] and "given as warmup_ratio" in notes["warmup_steps"]
+    file = tmp_path / "run.yaml"
+    file.write_text("max_seq_len: 256\n")
+    assert parse_arguments([str(file)]).training == {"max_length": 256}
+    assert parse_arguments([str(file), "--max_length", "128"]).training == {"max_length": 128}  # flags win
+    with pytest.raises(ConfigError, match="both max_seq_len and max_length"):
+        parse_arguments(["--max_seq_len", "1024", "--max_length", "2048"])
+    with pytest.raises(ConfigError, match="warmup_ratio 1.5"):
+        parse_arguments(["--warmup_ratio", "1.5"])

@@ -121,3 +121,43 @@ def test_stop_error_message_lists_and_points_to_skip():
     message = str(DataError([BadExample("a.jsonl:3", "not valid JSON")], 10))
     assert "1 of 10 examples are malformed" in message and "a.jsonl:3: not valid JSON" in message
     assert "--bad_examples skip" in message
+
+
+def long_chats(count: int, rng: random.Random) -> list[dict]:
+    """Multi-turn chats of 1 to 6 exchanges with answers of 1 to 30 words: about half outgrow 128 tokens."""
+    words = ["date", "month", "year", "ISO", "format", "day", "convert", "please", "March", "2021"]
+
+    def turn(role: str, most: int) -> dict:
+        return {"role": role, "content": " ".join(rng.choices(words, k=rng.randint(1, most)))}
+
+    return [{"messages": [message for _ in range(rng.randint(1, 6)) for message in (turn("user", 20),
+                                                                                   turn("assistant", 30))]}
+            for _ in range(count)]
+
+
+@pytest.mark.e2e
+def test_long_conversations_train_truncated_and_are_reported(tmp_path, tiny_model_dir, smol_tokenizer, capsys):
+    import train
+    from training_data import prepare
+
+    write(tmp_path / "train.jsonl", [json.dumps(chat) for chat in long_chats(32, random.Random(0))])
+    # What truncation to 128 tokens loses, counted from the untruncated tokenization
+    full = prepare(str(tmp_path), ["train"], smol_tokenizer, max_length=None, truncate=False).datasets["train"]
+    lost = [sum(label != -100 for label in example["labels"][128:]) for example in full]
+    assert sum(n > 0 for n in lost) >= 8 and sum(n == 0 for n in lost) >= 8  # both kinds are there
+
+    argv = tiny_run_args(tiny_model_dir, tmp_path, tmp_path / "out", "--splits", "train", "--max_steps", "1",
+                         "--max_length", "128")
+    _, summary = train.run(argv)  # by default: trained, cut to --max_length as TRL cuts
+    out = capsys.readouterr().out
+    assert f"truncated {sum(n > 0 for n in lost)} examples longer than --max_length 128, losing {sum(lost)} " in out
+    assert (summary["truncated_examples"], summary["truncated_supervised_tokens"]) == (sum(n > 0 for n in lost),
+                                                                                        sum(lost))
+    assert summary["trained_examples"] == 32 and summary["skipped_examples"] == 0
+
+    skipped = prepare(str(tmp_path), ["train"], smol_tokenizer, max_length=128, truncate=True, long_examples="skip")
+    assert len(skipped.datasets["train"]) == sum(n == 0 for n in lost)
+    assert len(skipped.skipped) == sum(n > 0 for n in lost)
+    with pytest.raises(DataError, match=f"{sum(n > 0 for n in lost)} of 32 examples are too long") as stopped:
+        prepare(str(tmp_path), ["train"], smol_tokenizer, max_length=128, truncate=True, long_examples="stop")
+    assert "--long_examples truncate" in str(stopped.value) and "--bad_examples" not in str(stopped.value)

@@ -84,7 +84,7 @@ CASES = [
     (checks.zero3_non_reentrant,
      (["--activation_checkpointing", "true", "--use_reentrant", "false"], launch("deepspeed_config.yaml"), {}),
      (["--activation_checkpointing", "true", "--use_reentrant", "true"], launch("deepspeed_config.yaml"), {}),
-     "error"),
+     "warning"),
     (checks.single_process_generation,
      (["--eval_num_prompts", "8"], launch("fsdp2_config.yaml"), {}),
      (["--eval_num_prompts", "0"], launch("fsdp2_config.yaml"), {}), "warning"),

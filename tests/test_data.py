@@ -140,7 +140,7 @@ def test_missing_split_file_names_the_file(tmp_path):
 
 def test_special_token_flags_are_refused_for_chat_data(smol_tokenizer, chat_dir):
     raw, _, data_format = load_splits(str(chat_dir), ["train"])
-    with pytest.raises(ValueError, match="--add_special_tokens / --append_concat_token apply to text"):
+    with pytest.raises(ValueError, match="--add_special_tokens true applies to text"):
         tokenize_splits(raw, data_format, smol_tokenizer, max_length=512, truncate=True, add_special_tokens=True)
 
 

@@ -115,4 +115,5 @@ def test_command_line_exit_code_and_message():
     result = subprocess.run([sys.executable, "train.py", "--lora_rr", "8"], cwd=REPO_DIR, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2
-    assert "error: unknown arguments: --lora_rr 8" in result.stderr and "Traceback" not in result.stderr
+    assert "error: unknown arguments: --lora_rr (did you mean --lora_r?) 8" in result.stderr
+    assert "Traceback" not in result.stderr

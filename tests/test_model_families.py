@@ -8,6 +8,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from fast_paths import attention_for, register_attention, sdpa_varlen_forward
+from utils import REPO_DIR
 
 WINDOW = 8  # shorter than the examples below, so a window that is ignored changes the numbers
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -123,3 +124,25 @@ def test_flash_attention_is_refused_where_it_would_drop_the_sinks(family):
     config = settled(["--use_flash_attn", "true"], model_config=FAMILIES[family](), cuda=True, flash_attn=True)
     problem = checks.flash_attention(config)
     assert (problem.level, "eager_varlen" in problem.fix) == ("error", True) if family == "gpt_oss" else problem is None
+
+
+SHIPPED = sorted(path.name for path in (REPO_DIR / "configs" / "models").iterdir())
+
+
+@pytest.mark.parametrize("model", [*FAMILIES, *SHIPPED])
+def test_check_works_from_a_config_json_alone(model, tmp_path, capsys):
+    """A folder with only config.json (no weights, no tokenizer): the launch, the wrap class, the attention and the
+    memory plan are checked; the tokenizer is named as not checked."""
+    import train
+
+    folder = REPO_DIR / "configs" / "models" / model if model in SHIPPED else tmp_path / model
+    if model in FAMILIES:
+        FAMILIES[model]().save_pretrained(folder)
+    assert [path.name for path in folder.iterdir()] == ["config.json"]
+    train.run(["--check", "--model_name_or_path", str(folder), "--accelerate_config", "configs/fsdp2_config_qlora.yaml",
+               "--gpu_gib", "24", "--use_4bit_quantization", "true", "--eval_num_prompts", "0"])
+    output = capsys.readouterr()
+    assert "check passed" in output.out and "memory plan, GiB: per GPU" in output.out
+    assert "has no tokenizer files" in output.err
+    eager = model in ("gemma2", "gpt_oss", "gemma-2-9b")
+    assert f"attention = {'eager_varlen' if eager else 'sdpa_varlen'}" in output.out
