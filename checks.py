@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from configuration import Configuration, hub_offline, memory_plan
-from utils import DEFAULT_MODEL_DIR, gguf_source
+from checkpoints import COMPLETE
+from utils import DEFAULT_MODEL_DIR, gguf_source, pickled_weights_only
 
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
@@ -75,6 +76,9 @@ def model_source(s: Configuration) -> Problem | None:
     if s.facts.model_config is None:
         return Problem("error", f"--model_name_or_path {name}", "its config.json could not be read",
                        "point to a transformers model folder or Hub id")
+    if problem := pickled_weights_only(name):
+        what, _, fix = problem.partition("; ")
+        return Problem("error", what, "the recipe loads safetensors only", fix)
     return None
 
 
@@ -345,11 +349,35 @@ def output_dir_writable(s: Configuration) -> Problem | None:
     return None
 
 
+def publishing_a_local_path(s: Configuration) -> Problem | None:
+    if s.publish_to and s.base_model_id is None:
+        return Problem("error", f"publishing an adapter of {s.model.model_name_or_path}, a local folder of unknown "
+                       "origin", "the adapter's config and card would point at this machine's disk, where nobody "
+                       "else can load it from", "--base_model_id ORG/NAME (the Hub model this folder is a copy of)")
+    return None
+
+
+def token_on_command_line(s: Configuration) -> Problem | None:
+    if s.token_on_command_line:
+        return Problem("warning", "--hub_token on the command line", "every user of this machine can read a "
+                       "process's arguments (ps, /proc/<pid>/cmdline); the recipe keeps the token out of its log, "
+                       "summary, card and checkpoints, but not out of the process table", "export HF_TOKEN=... "
+                       "before the run, or `hf auth login` once, and drop --hub_token")
+    return None
+
+
 def resume_checkpoint(s: Configuration) -> Problem | None:
     resume = s.training.resume_from_checkpoint
-    if resume and resume != "latest" and not Path(resume).is_dir():
+    if not resume or resume == "latest":
+        return None
+    if not Path(resume).is_dir():
         return Problem("error", f"--resume_from_checkpoint {resume}", "no such checkpoint folder",
                        "pass an existing checkpoint-N folder or `latest`")
+    if not (Path(resume) / COMPLETE).is_file() and not s.data.trust_checkpoint:
+        return Problem("error", f"--resume_from_checkpoint {resume} has no {COMPLETE} marker", "it was not written, "
+                       "or not finished, by this recipe; its trainer state and (FSDP) DCP metadata are pickles, "
+                       "which run whatever code they carry when read", "`latest` (the newest complete checkpoint), "
+                       "or --trust_checkpoint true if you trust the files")
     return None
 
 
@@ -386,7 +414,7 @@ RULES: list[Callable[[Configuration], Problem | None]] = [
     qlora_fsdp_loading, ram_efficient_without_sync, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,
     added_tokens_under_fsdp, no_layer_class_to_wrap, output_dir_holds_another_run, output_dir_writable,
-    resume_checkpoint, memory_fit, host_ram_by_phase,
+    resume_checkpoint, token_on_command_line, publishing_a_local_path, memory_fit, host_ram_by_phase,
 ]
 
 

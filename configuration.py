@@ -23,7 +23,8 @@ from arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, Mod
                        parse_arguments)
 from distributed import CPU_FSDP1_OVERRIDES, Launch, launch_environment
 from fast_paths import ATTENTION, EAGER_ATTENTION, attention_for, compile_settings
-from utils import DEFAULT_MODEL_DIR, build_tokenizer, convert_default_model, gguf_source, is_flash_attn_installed
+from utils import (DEFAULT_MODEL_DIR, build_tokenizer, convert_default_model, gguf_source, hub_id_of,
+                   is_flash_attn_installed)
 from memory import GIB
 from utils import load_dtype, native_bf16_supported
 
@@ -149,6 +150,8 @@ class Configuration:
     environment: dict[str, str] = field(default_factory=dict)  # exported before the trainer is built
     publish_to: str | None = None  # the Hub repo export.publish uploads to at the end (the Trainer never pushes)
     hub_token: str | None = field(default=None, repr=False)  # kept out of `training`, which is pickled to disk
+    token_on_command_line: bool = False  # --hub_token was a flag: every user of the machine can read it (ps)
+    base_model_id: str | None = None  # the base as the adapter records it: a Hub id (None: a local folder, unknown)
     decisions: list[Decision] = field(default_factory=list)
 
     @property
@@ -211,7 +214,12 @@ def settle(request: Request, facts: Facts) -> Configuration:
     except (ValueError, TypeError) as err:
         raise ConfigError(f"invalid training arguments: {err}") from None
 
-    config = Configuration(request.model, request.data, training, facts, decisions=decisions)
+    config = Configuration(request.model, request.data, training, facts, decisions=decisions,
+                           token_on_command_line=request.token_on_command_line,
+                           base_model_id=hub_id_of(request.model.model_name_or_path, request.model.base_model_id))
+    if config.base_model_id and config.base_model_id != request.model.model_name_or_path:
+        decisions.append(Decision("base model recorded as", config.base_model_id, "the adapter's config and card name "
+                                  "the Hub model, not this disk's copy of it (--base_model_id)"))
     # before the memory plan below: eager attention per example stores its scores
     config.attention, why = (("flash_attention_2", "--use_flash_attn") if config.model.use_flash_attn
                              else attention_for(facts.model_config))

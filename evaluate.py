@@ -96,11 +96,11 @@ def evaluate_exact_match(model, tokenizer, heldout: HeldOut, max_new_tokens: int
 
 def main() -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from arguments import DEFAULT_DATASET
     from training_data import load_splits
-    from utils import DEFAULT_MODEL_DIR, convert_default_model
+    from utils import DEFAULT_MODEL_DIR, convert_default_model, load_causal_lm, pickled_weights_only
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", default=DEFAULT_MODEL_DIR)
@@ -119,7 +119,10 @@ def main() -> None:
     if heldout is None:
         raise SystemExit(f"error: the {args.split} split is plain text; exact match needs chat or prompt/completion data.")
     tokenizer = AutoTokenizer.from_pretrained(args.adapter or args.model_name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    for folder in filter(None, (args.model_name_or_path, args.adapter)):
+        if problem := pickled_weights_only(folder):
+            raise SystemExit(f"error: {problem}")
+    model = load_causal_lm(args.model_name_or_path, dtype=torch.float32)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # the adapter's template added tokens
     results = {"base": evaluate_exact_match(model, tokenizer, heldout, args.max_new_tokens)}

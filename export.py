@@ -10,6 +10,7 @@ Each runs in one process on CPU or one GPU, never inside a sharded run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import torch
 
+from checkpoints import COMPLETE
 from report import PLOT_FILE, model_card, read_summary
+from utils import REPO_DIR, load_causal_lm, local_copy_of, pickled_weights_only
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -44,11 +47,16 @@ def copy_present(names, source: Path, target: Path) -> list[str]:
     return copied
 
 
-def consolidate(checkpoint: Path, output: Path | None = None) -> Path:
-    """A sharded FSDP checkpoint (DCP files in pytorch_model_fsdp_0/) -> a PEFT adapter folder."""
+def consolidate(checkpoint: Path, output: Path | None = None, trusted: bool = False) -> Path:
+    """A sharded FSDP checkpoint (DCP files in pytorch_model_fsdp_0/) -> a PEFT adapter folder; only one this recipe
+    marked complete, unless `trusted`."""
     from accelerate.utils import merge_fsdp_weights
 
     shards = checkpoint / "pytorch_model_fsdp_0"
+    if not trusted and not (checkpoint / COMPLETE).is_file():
+        raise SystemExit(f"error: {checkpoint} has no {COMPLETE} marker: it was not written (or not finished) by this "
+                         "recipe, and its DCP .metadata is a pickle, which runs whatever code it carries when read. "
+                         "If you trust the files, pass --trust_checkpoint.")
     if not (shards / ".metadata").is_file():
         raise SystemExit(f"error: {checkpoint} holds no sharded FSDP model ({shards}/.metadata is missing); pass a "
                          "checkpoint-N folder written with fsdp_state_dict_type SHARDED_STATE_DICT.")
@@ -67,14 +75,16 @@ def consolidate(checkpoint: Path, output: Path | None = None) -> Path:
 def merge(adapter: Path, output: Path, dtype: str = "bfloat16", base: str | None = None) -> Path:
     """Base model + adapter -> one standard model folder (with the tokenizer), in `dtype`, never quantized."""
     from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     refuse_inside_sharded_run()
+    if problem := pickled_weights_only(str(adapter)):
+        raise SystemExit(f"error: {problem}")
     config = PeftConfig.from_pretrained(adapter)
-    base = base or config.base_model_name_or_path
+    base = base or local_copy_of(config.base_model_name_or_path)
     # A QLoRA adapter was trained against the 4-bit base; it is merged into the unquantized base (merging into 4-bit
     # weights would re-quantize them and change generations).
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype))
+    model = load_causal_lm(base, dtype=getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(adapter)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # the template added tokens during training
@@ -93,7 +103,15 @@ def stage_for_hub(run_dir: Path, stage: Path, token: str | None = None) -> Path:
     copy_present((*ADAPTER_FILES, *TOKENIZER_FILES, PLOT_FILE), run_dir, stage)
     summary = read_summary(run_dir)
     summary["plot"] = (stage / PLOT_FILE).is_file()
-    (stage / "README.md").write_text(model_card(summary))
+    (stage / "README.md").write_text(model_card(summary))  # the output folder's card, with the plot that came along
+    base = json.loads((stage / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    machine = {str(run_dir.resolve()), str(REPO_DIR), f"{tempfile.gettempdir()}/", f"{Path.home()}/"}
+    local = [file.name for file in stage.iterdir() if any(path.encode() in file.read_bytes() for path in machine)]
+    if Path(base).is_absolute() or Path(base).exists() or local:
+        raise SystemExit(f"error: the adapter's base is {base}, a folder on this machine"
+                         + (f", and {', '.join(local)} hold paths of this machine" if local else "")
+                         + "; nobody else could load it: not uploading. Train with --base_model_id ORG/NAME (the Hub "
+                           "model the folder is a copy of), or set base_model_name_or_path in adapter_config.json.")
     token = token or os.environ.get("HF_TOKEN") or _saved_token()
     if token:
         for file in stage.iterdir():  # a token must never travel with the files
@@ -112,15 +130,28 @@ def _saved_token() -> str | None:
 
 
 def publish(run_dir: Path, repo_id: str, private: bool = True, token: str | None = None) -> str:
-    """Upload the staged folder; `token` (train.py's --hub_token) or the environment's / the saved login."""
+    """Upload the staged folder; `token` (train.py's --hub_token) or the environment's / the saved login.
+
+    A repository that exists keeps its visibility (create_repo(exist_ok=True) changes nothing): a public one gets the
+    files only when publishing publicly was asked for."""
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
 
     with tempfile.TemporaryDirectory() as tmp:
         stage = stage_for_hub(run_dir, Path(tmp) / "stage", token)
         api = HfApi(token=token)
-        url = api.create_repo(repo_id, private=private, exist_ok=True)
+        try:
+            public = not api.repo_info(repo_id).private
+        except RepositoryNotFoundError:  # also what the Hub answers for a private repository of someone else
+            url = str(api.create_repo(repo_id, private=private))
+        else:
+            if public and private:
+                raise SystemExit(f"error: {repo_id} exists and is public; nothing was uploaded. Publish there "
+                                 "publicly with `export.py publish --public` (train.py: --hub_private_repo false), "
+                                 "or choose another --repo_id / --hub_model_id.")
+            url = f"{api.endpoint}/{repo_id}"
         api.upload_folder(repo_id=repo_id, folder_path=str(stage), commit_message="Upload adapter from sft recipe")
-    return str(url)
+    return url
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     c = commands.add_parser("consolidate", help="sharded FSDP checkpoint -> PEFT adapter folder")
     c.add_argument("checkpoint", type=Path)
     c.add_argument("-o", "--output", type=Path)
+    c.add_argument("--trust_checkpoint", action="store_true",
+                   help="consolidate a checkpoint without this recipe's completion marker (its DCP metadata is a "
+                   "pickle: only for files you trust)")
     m = commands.add_parser("merge", help="adapter + its base -> one model folder")
     m.add_argument("adapter", type=Path)
     m.add_argument("-o", "--output", type=Path, required=True)
@@ -140,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--public", action="store_true", help="make the repo public (private by default)")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
-        print(f"adapter written to {consolidate(args.checkpoint, args.output)}")
+        print(f"adapter written to {consolidate(args.checkpoint, args.output, args.trust_checkpoint)}")
     elif args.command == "merge":
         print(f"merged model written to {merge(args.adapter, args.output, args.dtype, args.base)}")
     else:

@@ -48,7 +48,9 @@ def model_card(summary: dict) -> str:
     """A README.md for the adapter's Hub repo, from run_summary.json."""
     args, results = summary["arguments"], summary["results"]
     method = "QLoRA (4-bit NF4 base)" if args.get("use_4bit_quantization") else "LoRA"
-    base, dataset = args["model_name_or_path"], args["dataset_name"]
+    base, dataset = args.get("base_model") or args["model_name_or_path"], args["dataset_name"]
+    if Path(dataset).exists():  # a local folder or file: its name, not where it lies on this disk
+        dataset = Path(dataset).name
     metrics = [f"- train loss: {results['train_loss']:.4f} after {results['train_steps']} steps"]
     if results.get("eval_loss") is not None:
         metrics.append(f"- eval loss: {results['eval_loss']:.4f}")
@@ -104,13 +106,16 @@ TRAINING_KEYS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_d
 
 def write_run_report(out_dir: Path, arguments: dict, results: dict, log_history: list[dict], hardware: str,
                      decisions: list[dict]) -> dict:
-    """run_summary.json (with what configuration.settle decided, and why) and training_curves.png in `out_dir`."""
+    """run_summary.json (with what configuration.settle decided, and why), training_curves.png and the model card
+    (README.md) in `out_dir`."""
     import datetime
 
     plot = plot_history(log_history, Path(out_dir) / PLOT_FILE)
     summary = {"date": datetime.date.today().isoformat(), "hardware": hardware, "arguments": arguments,
                "decisions": decisions, "results": results, "plot": plot.is_file(), "log_history": log_history}
     (Path(out_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
+    # In place of PEFT's placeholder, the card that gets published: written from the file, as export.publish does
+    (Path(out_dir) / "README.md").write_text(model_card(read_summary(out_dir)))
     return summary
 
 

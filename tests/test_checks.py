@@ -261,3 +261,34 @@ def test_fsdp2_mixed_precision_casts_packed_4bit_weights_unless_stored_in_its_dt
                 torch.testing.assert_close(model(x.bfloat16()).float(), before, rtol=0, atol=0.02)
     finally:
         dist.destroy_process_group()
+
+
+def test_unsafe_or_unpublishable_inputs_are_refused_before_anything_loads(tmp_path, tiny_model_dir):
+    from transformers import AutoConfig
+
+    from checkpoints import COMPLETE
+
+    # A checkpoint another script wrote (or a kill left): its pickles are read only if trusted
+    unmarked = tmp_path / "checkpoint-4"
+    unmarked.mkdir()
+    assert fired(checks.resume_checkpoint, setup(["--resume_from_checkpoint", str(unmarked)])) == "error"
+    assert fired(checks.resume_checkpoint, setup(["--resume_from_checkpoint", str(unmarked),
+                                                  "--trust_checkpoint", "true"])) is None
+    (unmarked / COMPLETE).write_text("{}")
+    assert fired(checks.resume_checkpoint, setup(["--resume_from_checkpoint", str(unmarked)])) is None
+
+    # A model folder with pickled weights only
+    pickled = tmp_path / "pickled-model"
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.save_pretrained(pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    problem = checks.model_source(setup(["--model_name_or_path", str(pickled)], model_config=config))
+    assert problem.level == "error" and "pickles only" in problem.what and "save_pretrained" in problem.fix
+
+    # Publishing an adapter of a local folder of unknown origin; the token in the process table
+    local = setup(["--model_name_or_path", str(tiny_model_dir), "--push_to_hub", "true"])
+    assert fired(checks.publishing_a_local_path, local) == "error"
+    named = setup(["--model_name_or_path", str(tiny_model_dir), "--push_to_hub", "true", "--base_model_id", "me/m"])
+    assert fired(checks.publishing_a_local_path, named) is None and named.base_model_id == "me/m"
+    assert fired(checks.publishing_a_local_path, setup(["--push_to_hub", "true"])) is None  # the default: its id is known
+    assert fired(checks.token_on_command_line, setup(["--hub_token", "hf_x"])) == "warning"

@@ -1,4 +1,4 @@
-"""After training: the run report, merging, held-out evaluation, and publishing (network call replaced)."""
+"""After training: the run report, merging, held-out evaluation, and publishing (to a fake Hub on 127.0.0.1)."""
 
 import json
 import subprocess
@@ -15,13 +15,14 @@ import train
 from utils import REPO_DIR
 
 pytestmark = pytest.mark.e2e
+TINY_ID = "someone/tiny-llama"  # the Hub id the tiny base stands for (recorded instead of its folder in /tmp)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["lora", "qlora"])
 def trained(request, tiny_model_dir, chat_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     argv = tiny_run_args(tiny_model_dir, chat_dir, out, "--max_steps", "4", "--learning_rate", "1e-2",
-                         "--eval_num_prompts", "4")
+                         "--eval_num_prompts", "4", "--base_model_id", TINY_ID)
     if request.param:
         argv += ["--use_4bit_quantization", "true"]
     train.run(argv)
@@ -38,14 +39,14 @@ def test_run_leaves_a_report_and_curves(trained):
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_merge_matches_base_plus_adapter(trained, tmp_path):
+def test_merge_matches_base_plus_adapter(trained, tiny_model_dir, tmp_path):
     """QLoRA adapters merge into the unquantized base; the merged model equals that base + the adapter."""
     out, quantized = trained
-    merged_dir = export.merge(out, tmp_path / "merged", dtype="float32")
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == TINY_ID
+    merged_dir = export.merge(out, tmp_path / "merged", dtype="float32", base=str(tiny_model_dir))
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(merged_dir)
-    base = AutoModelForCausalLM.from_pretrained(json.loads((out / "adapter_config.json").read_text())[
-        "base_model_name_or_path"], dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     unmerged = PeftModel.from_pretrained(base, out)
     assert not any("lora" in name for name, _ in merged.named_parameters())
     torch.testing.assert_close(probe_logits(merged, tokenizer), probe_logits(unmerged, tokenizer), rtol=1e-4, atol=1e-4)
@@ -57,39 +58,67 @@ def test_merge_is_refused_inside_a_sharded_run(trained, tmp_path, monkeypatch):
         export.merge(trained[0], tmp_path / "merged")
 
 
-def test_publish_uploads_a_checked_private_folder_and_never_the_token(trained, monkeypatch):
+@pytest.fixture
+def hub(monkeypatch):
+    """The fake Hub on 127.0.0.1 (tests/fake_hub.py), where every client built from now on sends its requests."""
+    import huggingface_hub.constants
+    from fake_hub import FakeHub
+
+    server = FakeHub()
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.endpoint)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    yield server
+    server.close()
+
+
+PLANTED = "hf_PLANTEDtokenDoNotLeak0123456789"
+
+
+def test_publish_creates_a_private_repo_and_uploads_a_checked_folder(trained, hub, monkeypatch):
     out, quantized = trained
-    planted = "hf_PLANTEDtokenDoNotLeak0123456789"
-    monkeypatch.setenv("HF_TOKEN", planted)
-    calls = {}
-
-    def create_repo(self, repo_id, private=None, exist_ok=False):
-        calls["create"] = dict(repo_id=repo_id, private=private)
-        return f"https://hub.example/{repo_id}"
-
-    def upload_folder(self, repo_id, folder_path, commit_message=None):
-        from pathlib import Path
-
-        calls["files"] = {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}
-
-    import huggingface_hub
-
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    monkeypatch.setenv("HF_TOKEN", PLANTED)
     export.publish(out, "someone/dates-adapter")
-    assert calls["create"] == {"repo_id": "someone/dates-adapter", "private": True}
-    files = calls["files"]
+    repo = hub.repos["someone/dates-adapter"]
+    assert repo.private
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md",
-            "training_curves.png"} <= set(files)
-    card = files["README.md"].decode()
+            "training_curves.png"} <= set(repo.files)
+    assert repo.files["adapter_model.safetensors"] == (out / "adapter_model.safetensors").read_bytes()
+    assert repo.files["README.md"] == (out / "README.md").read_bytes()  # the output folder's card is the recipe's
+    for name, content in repo.files.items():  # no path of this machine: the base is recorded by its Hub id
+        assert b"/tmp/" not in content and str(REPO_DIR).encode() not in content, name
+    card = repo.files["README.md"].decode()
+    assert f"base_model: {TINY_ID}" in card
     for expected in ("base_model:", "QLoRA" if quantized else "LoRA", "dates", "| lora_r | 16 |", "learning_rate",
                      "train loss", "after 4 steps", "eval loss", "exact match", "training_curves.png",
                      "AutoPeftModelForCausalLM", "hardware: 1 x CPU"):
         assert expected in card, expected
-    for name, content in files.items():
-        assert planted.encode() not in content, name
-    for path in out.rglob("*"):  # nor anything the run itself wrote
-        assert not path.is_file() or planted.encode() not in path.read_bytes(), path
+    # The token travels in the Authorization header only: in no request body, no uploaded file, no file of the run
+    assert any(r.headers.get("authorization") == f"Bearer {PLANTED}" for r in hub.requests)
+    assert all(PLANTED.encode() not in r.body for r in hub.requests)
+    for name, content in repo.files.items():
+        assert PLANTED.encode() not in content, name
+    for path in out.rglob("*"):
+        assert not path.is_file() or PLANTED.encode() not in path.read_bytes(), path
+
+
+@pytest.mark.parametrize("public", [False, True], ids=["existing-private", "existing-public"])
+def test_publish_to_an_existing_repo_keeps_it_private_or_refuses(trained, hub, public):
+    from fake_hub import Repo
+
+    out, _ = trained
+    hub.repos["someone/existing"] = Repo(private=not public)
+    if public:  # create_repo(exist_ok=True) would have left it public and uploaded: nothing is sent now
+        with pytest.raises(SystemExit, match="someone/existing exists and is public.*--public"):
+            export.publish(out, "someone/existing")
+        assert hub.repos["someone/existing"].files == {}
+        assert not [r for r in hub.requests if r.method == "POST"]
+        export.publish(out, "someone/existing", private=False)  # asked for: published there
+    else:
+        export.publish(out, "someone/existing")
+        assert not any(r.path == "/api/repos/create" for r in hub.requests)
+    assert "adapter_model.safetensors" in hub.repos["someone/existing"].files
+    assert hub.repos["someone/existing"].private == (not public)
 
 
 def test_publish_refuses_an_unfinished_folder(tmp_path):
@@ -97,10 +126,10 @@ def test_publish_refuses_an_unfinished_folder(tmp_path):
         export.stage_for_hub(tmp_path, tmp_path / "stage")
 
 
-def test_evaluate_command_reports_loss_and_exact_match_with_and_without_adapter(trained, chat_dir):
+def test_evaluate_command_reports_loss_and_exact_match_with_and_without_adapter(trained, tiny_model_dir, chat_dir):
     out, _ = trained  # a QLoRA adapter is evaluated on the unquantized base, as it is served
-    base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
-    result = subprocess.run([sys.executable, "evaluate.py", "--model_name_or_path", base, "--adapter", str(out),
+    result = subprocess.run([sys.executable, "evaluate.py", "--model_name_or_path", str(tiny_model_dir), "--adapter",
+                             str(out),
                              "--dataset_name", str(chat_dir), "--num_prompts", "4", "--max_new_tokens", "4",
                              "--show", "1"], cwd=REPO_DIR, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -23,9 +23,19 @@ def check_argv(script: Path, model_dir, data_dir) -> list[str]:
     return ["--check", "--accelerate_config", words[words.index("--config_file") + 1], *args]
 
 
+@pytest.fixture(scope="module")
+def cached_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model where the Hugging Face cache would keep the commands' model: the adapter records its Hub id."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("hub") / "models--meta-llama--Llama-2-70b-hf" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model_dir, folder)
+    return folder
+
+
 @pytest.mark.parametrize("script", sorted(REFERENCE.glob("*.sh")), ids=lambda path: path.stem)
-def test_reference_command_passes_check(script, tiny_model_dir, chat_dir, capsys):
-    argv = check_argv(script, tiny_model_dir, chat_dir)
+def test_reference_command_passes_check(script, cached_model, chat_dir, capsys):
+    argv = check_argv(script, cached_model, chat_dir)
     train.run(argv)  # a refusal would exit
     output = capsys.readouterr().out
     assert "check passed" in output, output
@@ -36,3 +46,4 @@ def test_reference_command_passes_check(script, tiny_model_dir, chat_dir, capsys
     if "deepspeed" in script.stem:  # ZeRO-3 + LoRA recomputes reentrant checkpoints only
         assert config.training.activation_checkpointing_kwargs == {"use_reentrant": True}
     assert config.model.use_4bit_quantization == ("qlora" in script.stem)
+    assert config.base_model_id == "meta-llama/Llama-2-70b-hf" and config.publish_to  # --push_to_hub: published

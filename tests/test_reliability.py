@@ -1,6 +1,7 @@
 """Reliability with real processes and real signals: exact resume after SIGKILL, half-written checkpoints,
 preemption by SIGTERM / SIGINT, rotation, unwritable output, and tokens kept out of every file."""
 
+import errno
 import json
 import os
 import signal
@@ -200,6 +201,27 @@ def test_rotation_keeps_the_limit_the_newest_and_the_resumed_one(tmp_path):
 
 
 @pytest.mark.e2e
+def test_rotation_never_deletes_the_best_checkpoint(tiny_model_dir, chat_dir, tmp_path):
+    """load_best_model_at_end + save_total_limit 1: the best checkpoint (here, by choice, the one with the highest eval
+    loss: the first) survives every rotation, and the run ends with its weights, not the last ones."""
+    import train
+
+    out = tmp_path / "run"
+    trainer, _ = train.run(tiny_run_args(
+        tiny_model_dir, chat_dir, out, "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2",
+        "--eval_strategy", "steps", "--eval_steps", "2", "--save_total_limit", "1", "--load_best_model_at_end", "true",
+        "--metric_for_best_model", "eval_loss", "--greater_is_better", "true", "--learning_rate", "1e-2"))
+    evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e and e["step"] <= 6}
+    best = max(evals, key=evals.get)
+    assert best < 6 and trainer.state.best_model_checkpoint == str(out / f"checkpoint-{best}")
+    # Every rotation kept it; at the end transformers removes the last checkpoint itself (a limit of 1, best kept)
+    assert [p.name for _, p, _ in checkpoints(out)] == [f"checkpoint-{best}"]
+    best_adapter = load_file(out / f"checkpoint-{best}" / "adapter_model.safetensors")
+    final = load_file(out / "adapter_model.safetensors")
+    assert all(torch.equal(final[name], best_adapter[name]) for name in best_adapter)
+
+
+@pytest.mark.e2e
 def test_output_dir_with_another_run_is_kept_unless_asked(tiny_model_dir, chat_dir, tmp_path):
     import train
 
@@ -237,6 +259,70 @@ def test_disk_full_during_a_save_is_reported(tiny_model_dir, chat_dir, tmp_path,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "No space left on device" in err and "--resume_from_checkpoint latest" in err
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real 32 MiB filesystem (tmpfs): mounting one needs root, as on the CI machines."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root); the simulated full disk above still runs")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill(folder: Path) -> Path:
+    """Write zeros until the filesystem under `folder` has no space left."""
+    ballast = folder / "ballast"
+    with open(ballast, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+    return ballast
+
+
+@pytest.mark.e2e
+def test_a_real_full_disk_during_a_save_keeps_the_last_checkpoint_and_resumes(tiny_model_dir, chat_dir,
+                                                                               small_filesystem, monkeypatch):
+    out = small_filesystem / "run"
+    argv = recipe(tiny_model_dir, chat_dir, out, 8)  # a checkpoint every 2 steps
+    monkeypatch.setenv("SLOW_STEP_SECONDS", "1.5")  # time to fill the disk between two checkpoints
+    process = start(argv, (sys.executable, str(REPO_DIR / "tests" / "slow_step_worker.py")))
+    wait_for(lambda: (out / "checkpoint-2" / COMPLETE).is_file(), process)
+    ballast = fill(small_filesystem)  # the next save (step 4) finds no space
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 2, output[-3000:]
+    assert "No space left on device" in output and "Traceback" not in output, output[-3000:]
+    assert f"last complete checkpoint: {out / 'checkpoint-2'}" in output, output[-3000:]
+    assert latest_complete(out) == str(out / "checkpoint-2")
+    load_file(out / "checkpoint-2" / "adapter_model.safetensors")  # intact
+
+    ballast.unlink()  # space freed: the run continues where the last complete checkpoint left it
+    output = finish(recipe(tiny_model_dir, chat_dir, out, 8, "--resume_from_checkpoint", "latest"))
+    assert f"resuming from {out / 'checkpoint-2'}" in output
+    assert max(losses(out)) == 8 and (out / "checkpoint-8" / COMPLETE).is_file()
+
+
+def test_a_full_disk_is_recognised_whichever_library_hits_it(small_filesystem):
+    """safetensors and torch.save do not raise OSError on a full disk (SafetensorError, RuntimeError "unexpected
+    pos"); the run still reports it as a full disk, not as a crash."""
+    from safetensors.torch import save_file
+
+    from train import write_failure
+
+    fill(small_filesystem)
+    tensors = {"w": torch.zeros(100_000)}
+    for save in (lambda: save_file(tensors, small_filesystem / "a.safetensors"),
+                 lambda: torch.save(tensors, small_filesystem / "b.pt"),
+                 lambda: (small_filesystem / "c.json").write_text("{}" * 100_000)):
+        with pytest.raises(Exception) as caught:
+            save()
+        assert write_failure(caught.value, str(small_filesystem)).startswith("No space left on device")
+    assert write_failure(ValueError("unrelated"), str(REPO_DIR)) is None
 
 
 @pytest.mark.e2e
