@@ -111,6 +111,9 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--show", type=int, default=5, help="generations printed side by side with the reference")
     args = parser.parse_args()
+    for folder in filter(None, (args.model_name_or_path, args.adapter)):  # before anything loads
+        if problem := pickled_weights_only(folder):
+            raise SystemExit(f"error: {problem}")
 
     if args.model_name_or_path == DEFAULT_MODEL_DIR:
         convert_default_model()
@@ -119,9 +122,6 @@ def main() -> None:
     if heldout is None:
         raise SystemExit(f"error: the {args.split} split is plain text; exact match needs chat or prompt/completion data.")
     tokenizer = AutoTokenizer.from_pretrained(args.adapter or args.model_name_or_path)
-    for folder in filter(None, (args.model_name_or_path, args.adapter)):
-        if problem := pickled_weights_only(folder):
-            raise SystemExit(f"error: {problem}")
     model = load_causal_lm(args.model_name_or_path, dtype=torch.float32)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # the adapter's template added tokens

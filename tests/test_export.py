@@ -52,6 +52,26 @@ def test_merge_matches_base_plus_adapter(trained, tiny_model_dir, tmp_path):
     torch.testing.assert_close(probe_logits(merged, tokenizer), probe_logits(unmerged, tokenizer), rtol=1e-4, atol=1e-4)
 
 
+def test_pickled_weights_and_unmarked_checkpoints_are_refused(trained, tiny_model_dir, tmp_path):
+    """merge and evaluate load safetensors only; consolidate reads only checkpoints this recipe marked complete."""
+    import shutil
+
+    pickled = tmp_path / "pickled-base"
+    pickled.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", pickled)
+    torch.save({}, pickled / "pytorch_model.bin")  # were it loaded, a pickle could run code
+    with pytest.raises(SystemExit, match="pickles only.*save_pretrained"):
+        export.merge(trained[0], tmp_path / "merged", base=str(pickled))
+    if not trained[1]:  # the command once (the adapter's method does not matter to it)
+        result = subprocess.run([sys.executable, "evaluate.py", "--model_name_or_path", str(pickled)], cwd=REPO_DIR,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1 and "pickles only" in result.stderr and "Traceback" not in result.stderr
+    unmarked = tmp_path / "checkpoint-3"
+    (unmarked / "pytorch_model_fsdp_0").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="no checkpoint_complete marker.*--trust_checkpoint"):
+        export.consolidate(unmarked)
+
+
 def test_merge_is_refused_inside_a_sharded_run(trained, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit, match="merging inside a sharded"):
@@ -126,8 +146,9 @@ def test_publish_refuses_an_unfinished_folder(tmp_path):
         export.stage_for_hub(tmp_path, tmp_path / "stage")
 
 
+@pytest.mark.parametrize("trained", [False], ids=["lora"], indirect=True)  # the command does not depend on the method
 def test_evaluate_command_reports_loss_and_exact_match_with_and_without_adapter(trained, tiny_model_dir, chat_dir):
-    out, _ = trained  # a QLoRA adapter is evaluated on the unquantized base, as it is served
+    out, _ = trained
     result = subprocess.run([sys.executable, "evaluate.py", "--model_name_or_path", str(tiny_model_dir), "--adapter",
                              str(out),
                              "--dataset_name", str(chat_dir), "--num_prompts", "4", "--max_new_tokens", "4",

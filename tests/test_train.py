@@ -134,6 +134,11 @@ def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
     # the defaults take fast_paths.py's attention on padding-free batches
     assert trainer.model.config._attn_implementation == "sdpa_varlen" and trainer.padding_free
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    # The adapter names its base by Hub id, not by the converted copy's path, and the folder's card is the recipe's
+    adapter_config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "More Information Needed" not in card
     decisions = json.loads((tmp_path / "out" / "run_summary.json").read_text())["decisions"]
     assert {"bf16", "padding_free", "attention"} <= {decision["setting"] for decision in decisions}
 
