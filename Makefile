@@ -28,7 +28,7 @@ demo: $(STAMP)
 # natively, the tests whose path branches on it run again as on a CPU without.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist worksteal --durations=10 tests
+	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load --durations=10 tests
 	if $(VENV)/bin/python -c "import sys, utils; sys.exit(not utils.native_bf16_supported())"; then \
 		$(MAKE) --no-print-directory test-no-native-bf16; fi
 

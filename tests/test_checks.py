@@ -185,22 +185,22 @@ def test_shipped_launchers_pass_their_own_check(tiny_model_dir, chat_dir):
 
 
 @pytest.mark.e2e
-def test_check_command_reports_everything_and_loads_no_weights(tiny_model_dir, chat_dir):
-    import subprocess
-    import sys
+def test_check_command_reports_everything_and_loads_no_weights(tiny_model_dir, chat_dir, capsys, monkeypatch):
+    import train  # `python train.py ARGS` is train.run(ARGS), in-process here; the exit code is SystemExit's
 
-    base = [sys.executable, "train.py", "--check", "--accelerate_config", "configs/fsdp_config_qlora.yaml",
-            "configs/llama2_70b_chat_sft.yaml", "--model_name_or_path", str(tiny_model_dir), "--dataset_name",
-            str(chat_dir), "--use_4bit_quantization", "true", "--use_reentrant", "true"]
-    bad = subprocess.run([*base, "--bnb_4bit_quant_storage_dtype", "uint8", "--optim", "paged_adamw_8bit"],
-                         cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2
-    errors = [line for line in bad.stderr.splitlines() if line.startswith("error: ")]
+    monkeypatch.chdir(REPO_DIR)
+    base = ["--check", "--accelerate_config", "configs/fsdp_config_qlora.yaml", "configs/llama2_70b_chat_sft.yaml",
+            "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(chat_dir), "--use_4bit_quantization",
+            "true", "--use_reentrant", "true"]
+    with pytest.raises(SystemExit) as exit_info:
+        train.run([*base, "--bnb_4bit_quant_storage_dtype", "uint8", "--optim", "paged_adamw_8bit"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and "uint8" in errors[0] and "paged_adamw_8bit" in errors[1]
-    good = subprocess.run(base, cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
-    assert good.returncode == 0, good.stderr
-    assert "check passed" in good.stdout and "Loading weights" not in good.stderr + good.stdout
-    assert "settled:" in good.stdout and "activation_checkpointing_kwargs = {'use_reentrant': True}" in good.stdout
+    trainer, _ = train.run(base)
+    good = capsys.readouterr()
+    assert trainer is None and "check passed" in good.out and "Loading weights" not in good.err + good.out
+    assert "settled:" in good.out and "activation_checkpointing_kwargs = {'use_reentrant': True}" in good.out
 
 
 @pytest.mark.e2e

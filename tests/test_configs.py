@@ -1,7 +1,5 @@
 """Every accelerate config builds the real accelerate plugin it describes; FSDP <-> DeepSpeed translation."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -172,13 +170,14 @@ def test_what_does_not_translate_is_reported():
 
 
 @pytest.mark.e2e
-def test_translate_command_writes_a_config_accelerate_loads(tmp_path):
+def test_translate_command_writes_a_config_accelerate_loads(tmp_path, capsys, monkeypatch):
     from accelerate.commands.config.config_args import ClusterConfig
 
+    from distributed import main  # `python distributed.py ARGS` is main(ARGS), in-process here
+
     out = tmp_path / "ds.yaml"
-    result = subprocess.run([sys.executable, "distributed.py", "translate", "configs/fsdp_config_qlora.yaml", "-o",
-                             str(out)], cwd=REPO_DIR, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "note: precision differs" in result.stderr
+    monkeypatch.chdir(REPO_DIR)
+    main(["translate", "configs/fsdp_config_qlora.yaml", "-o", str(out)])
+    assert "note: precision differs" in capsys.readouterr().err
     config = ClusterConfig.from_yaml_file(str(out))
     assert config.deepspeed_config["offload_param_device"] == "cpu" and config.num_processes == 2

@@ -83,7 +83,7 @@ def straight_run(model_dir, data_dir, tmp_path_factory) -> Path:
                                     pytest.param("deepspeed_config.yaml", marks=pytest.mark.multiprocess,
                                                  id="zero3-2-processes")])
 def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_dir, tmp_path, tmp_path_factory,
-                                                            config):
+                                                            config, capsys):
     distributed = config is not None
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/{config}",
                 "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0", "train.py") \
@@ -100,7 +100,14 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_
     (partial / "optimizer.pt").write_bytes(b"truncated")
     assert latest_complete(out).endswith(f"checkpoint-{max(completed)}")
 
-    output = finish(recipe(tiny_model_dir, chat_dir, out, 8, *batch, "--resume_from_checkpoint", "latest"), launcher)
+    resume = recipe(tiny_model_dir, chat_dir, out, 8, *batch, "--resume_from_checkpoint", "latest")
+    if distributed:
+        output = finish(resume, launcher)
+    else:  # in this process: `python train.py ARGS` is train.run(ARGS)
+        import train
+
+        train.run(resume)
+        output = capsys.readouterr().out
     assert f"resuming from {out / f'checkpoint-{max(completed)}'}" in output
     straight, resumed = losses(straight_out), losses(out)
     after = [step for step in straight if step > max(completed)]
@@ -222,25 +229,28 @@ def test_rotation_never_deletes_the_best_checkpoint(tiny_model_dir, chat_dir, tm
 
 
 @pytest.mark.e2e
-def test_output_dir_with_another_run_is_kept_unless_asked(tiny_model_dir, chat_dir, tmp_path):
+def test_output_dir_with_another_run_is_kept_unless_asked(tiny_model_dir, chat_dir, tmp_path, capsys):
     import train
 
     out = tmp_path / "run"
     train.run(recipe(tiny_model_dir, chat_dir, out, 2))
-    again = subprocess.run([sys.executable, "train.py", *recipe(tiny_model_dir, chat_dir, out, 2)], cwd=REPO_DIR,
-                           capture_output=True, text=True, timeout=300)  # the real command: exit code and message
-    assert again.returncode == 2 and "already holds a run" in again.stderr and "--overwrite_output_dir" in again.stderr
+    with pytest.raises(SystemExit) as exit_info:  # what `python train.py` exits with (tests/test_errors.py: the command)
+        train.run(recipe(tiny_model_dir, chat_dir, out, 2))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "already holds a run" in err and "--overwrite_output_dir" in err
     trainer, _ = train.run([*recipe(tiny_model_dir, chat_dir, out, 2), "--overwrite_output_dir", "true"])
     assert trainer.state.global_step == 2
 
 
 @pytest.mark.e2e
-def test_unwritable_output_is_refused_before_training(tmp_path):
+def test_unwritable_output_is_refused_before_training(tmp_path, capsys):
+    import train  # `python train.py ARGS` is train.run(ARGS); the exit code is SystemExit's
+
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    result = subprocess.run([sys.executable, "train.py", "--output_dir", str(blocker / "out")], cwd=REPO_DIR,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "cannot be created or written" in result.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        train.run(["--output_dir", str(blocker / "out")])
+    assert exit_info.value.code == 2 and "cannot be created or written" in capsys.readouterr().err
 
 
 @pytest.mark.e2e
@@ -326,11 +336,14 @@ def test_a_full_disk_is_recognised_whichever_library_hits_it(small_filesystem):
 
 
 @pytest.mark.e2e
-def test_a_planted_token_is_in_no_written_file(tiny_model_dir, chat_dir, tmp_path):
+def test_a_planted_token_is_in_no_written_file(tiny_model_dir, chat_dir, tmp_path, capsys):
+    import train
+
     planted = "hf_PLANTEDsecret9876543210abcdef"
     out = tmp_path / "run"
-    output = finish([*recipe(tiny_model_dir, chat_dir, out, 2), "--hub_token", planted])
-    assert planted not in output
+    train.run([*recipe(tiny_model_dir, chat_dir, out, 2), "--hub_token", planted])
+    printed = capsys.readouterr()
+    assert planted not in printed.out + printed.err and "--hub_token on the command line" in printed.err
     written = [p for p in out.rglob("*") if p.is_file()]
     assert any(p.name == "training_args.bin" for p in written)  # the pickled arguments are among them
     for path in written:
