@@ -129,6 +129,7 @@ def test_flash_attention_is_refused_where_it_would_drop_the_sinks(family):
 SHIPPED = sorted(path.name for path in (REPO_DIR / "configs" / "models").iterdir())
 
 
+@pytest.mark.e2e  # runs the recipe's command (--check)
 @pytest.mark.parametrize("model", [*FAMILIES, *SHIPPED])
 def test_check_works_from_a_config_json_alone(model, tmp_path, capsys):
     """A folder with only config.json (no weights, no tokenizer): the launch, the wrap class, the attention and the

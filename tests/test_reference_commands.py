@@ -33,6 +33,7 @@ def cached_model(tiny_model_dir, tmp_path_factory):
     return folder
 
 
+@pytest.mark.e2e  # runs the recipe's command (--check)
 @pytest.mark.parametrize("script", sorted(REFERENCE.glob("*.sh")), ids=lambda path: path.stem)
 def test_reference_command_passes_check(script, cached_model, chat_dir, capsys):
     argv = check_argv(script, cached_model, chat_dir)
