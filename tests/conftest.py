@@ -72,17 +72,6 @@ def losses(log_history) -> list[float]:
     return [entry["loss"] for entry in log_history if "loss" in entry]
 
 
-@pytest.hookimpl(trylast=True)  # after pytest has grouped the tests that share a fixture
-def pytest_collection_modifyitems(items):
-    """Longest first: the 2-process tests, then the end-to-end ones, then the unit tier (file order within each), so
-    the test workers share the long tests and finish together on the short ones instead of one worker running the
-    slow tail alone."""
-    def tier(item) -> int:
-        return 0 if item.get_closest_marker("multiprocess") else 1 if item.get_closest_marker("e2e") else 2
-
-    items.sort(key=tier)
-
-
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     from utils import convert_default_model
