@@ -18,7 +18,7 @@ from pathlib import Path
 
 from configuration import Configuration, hub_offline, memory_plan
 from checkpoints import COMPLETE
-from utils import DEFAULT_MODEL_DIR, gguf_source, pickled_weights_only
+from utils import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
 
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
@@ -76,9 +76,10 @@ def model_source(s: Configuration) -> Problem | None:
     if s.facts.model_config is None:
         return Problem("error", f"--model_name_or_path {name}", "its config.json could not be read",
                        "point to a transformers model folder or Hub id")
-    if problem := pickled_weights_only(name):
-        what, _, fix = problem.partition("; ")
-        return Problem("error", what, "the recipe loads safetensors only", fix)
+    if pickles := pickled_weights(name):
+        return Problem("error", f"{name} holds weights as pickles only ({', '.join(pickles[:3])})", "the recipe "
+                       "loads safetensors only, since unpickling runs whatever code the file carries",
+                       safetensors_conversion(name))
     return None
 
 
@@ -104,17 +105,15 @@ def dataset_source(s: Configuration) -> Problem | None:
 # Hardware
 
 
-def has_attention_sinks(model_config) -> bool:
+def has_attention_sinks(model) -> bool:
     """gpt-oss's learned per-head sink logits (`sinks` parameters beside its attention)."""
-    from memory import meta_model
-
-    return any(name.endswith(".sinks") for name, _ in meta_model(model_config).named_parameters())
+    return any(name.endswith(".sinks") for name, _ in model.named_parameters())
 
 
 def flash_attention(s: Configuration) -> Problem | None:
     if not s.model.use_flash_attn or not s.facts.here:
         return None
-    if s.facts.model_config is not None and has_attention_sinks(s.facts.model_config):
+    if s.facts.model_config is not None and has_attention_sinks(s.facts.meta_model):
         return Problem("error", "--use_flash_attn on a model with attention sinks (gpt-oss)", "flash-attn 2 has no "
                        "sinks, and transformers 5 leaves them out without a word: the model would train on attention "
                        "it was not built with", "drop the flag: the recipe's eager_varlen computes the sinks")
@@ -304,9 +303,7 @@ def no_layer_class_to_wrap(s: Configuration) -> Problem | None:
         return None
     if s.launch.env.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
         return None
-    from memory import meta_model
-
-    model = meta_model(s.facts.model_config)
+    model = s.facts.meta_model
     layers = list(getattr(model, "_no_split_modules", None) or [])
     named = [name.strip() for name in s.launch.env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if name.strip()]
     if not named:

@@ -30,7 +30,7 @@ from utils import load_dtype, native_bf16_supported
 
 
 # Any of these in a model folder is a tokenizer to load (fast, sentencepiece, BPE vocabularies)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 @dataclass
@@ -54,11 +54,18 @@ class Facts:
     tokenizer_absent: bool = False  # --check of a model folder without tokenizer files (a config.json alone)
 
     @cached_property
+    def meta_model(self):
+        """The model's module tree on the meta device (memory.meta_model), built once for every rule that reads it."""
+        from memory import meta_model
+
+        return meta_model(self.model_config)
+
+    @cached_property
     def shapes(self):
         """The model's parameter counts from its meta-device module tree (memory.Shapes), built once."""
         from memory import Shapes
 
-        return Shapes.of(self.model_config)
+        return Shapes.of(self.model_config, self.meta_model)
 
     @property
     def gpu_here(self) -> bool:
@@ -112,7 +119,7 @@ def gather(request: Request) -> Facts:
                   gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
                   model_config=read_model_config(model.model_name_or_path, trust, token))
     folder = Path(model.model_name_or_path)
-    if request.check and folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if request.check and folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_SOURCES):
         facts.tokenizer_absent = True  # a config.json alone: everything but the tokenizer can still be checked
     elif facts.model_config is not None:
         try:

@@ -100,7 +100,7 @@ def main() -> None:
 
     from arguments import DEFAULT_DATASET
     from training_data import load_splits
-    from utils import DEFAULT_MODEL_DIR, convert_default_model, load_causal_lm, pickled_weights_only
+    from utils import DEFAULT_MODEL_DIR, convert_default_model, load_causal_lm, refuse_pickled_weights
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", default=DEFAULT_MODEL_DIR)
@@ -111,9 +111,7 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--show", type=int, default=5, help="generations printed side by side with the reference")
     args = parser.parse_args()
-    for folder in filter(None, (args.model_name_or_path, args.adapter)):  # before anything loads
-        if problem := pickled_weights_only(folder):
-            raise SystemExit(f"error: {problem}")
+    refuse_pickled_weights(*filter(None, (args.model_name_or_path, args.adapter)))  # before anything loads
 
     if args.model_name_or_path == DEFAULT_MODEL_DIR:
         convert_default_model()

@@ -21,7 +21,7 @@ import torch
 
 from checkpoints import COMPLETE
 from report import PLOT_FILE, model_card, read_summary
-from utils import REPO_DIR, load_causal_lm, local_copy_of, pickled_weights_only
+from utils import REPO_DIR, load_causal_lm, local_copy_of, refuse_pickled_weights
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -78,8 +78,7 @@ def merge(adapter: Path, output: Path, dtype: str = "bfloat16", base: str | None
     from transformers import AutoTokenizer
 
     refuse_inside_sharded_run()
-    if problem := pickled_weights_only(str(adapter)):
-        raise SystemExit(f"error: {problem}")
+    refuse_pickled_weights(str(adapter))
     config = PeftConfig.from_pretrained(adapter)
     base = base or local_copy_of(config.base_model_name_or_path)
     # A QLoRA adapter was trained against the 4-bit base; it is merged into the unquantized base (merging into 4-bit
@@ -104,19 +103,20 @@ def stage_for_hub(run_dir: Path, stage: Path, token: str | None = None) -> Path:
     summary = read_summary(run_dir)
     summary["plot"] = (stage / PLOT_FILE).is_file()
     (stage / "README.md").write_text(model_card(summary))  # the output folder's card, with the plot that came along
-    base = json.loads((stage / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    contents = {file.name: file.read_bytes() for file in stage.iterdir()}  # read once for both checks below
+    base = json.loads(contents["adapter_config.json"]).get("base_model_name_or_path") or ""
     machine = {str(run_dir.resolve()), str(REPO_DIR), f"{tempfile.gettempdir()}/", f"{Path.home()}/"}
-    local = [file.name for file in stage.iterdir() if any(path.encode() in file.read_bytes() for path in machine)]
-    if Path(base).is_absolute() or Path(base).exists() or local:
-        raise SystemExit(f"error: the adapter's base is {base}, a folder on this machine"
-                         + (f", and {', '.join(local)} hold paths of this machine" if local else "")
-                         + "; nobody else could load it: not uploading. Train with --base_model_id ORG/NAME (the Hub "
-                           "model the folder is a copy of), or set base_model_name_or_path in adapter_config.json.")
+    local = [name for name, data in contents.items() if any(path.encode() in data for path in machine)]
+    where = ([f"the adapter's base is {base}, a folder on this machine"] if Path(base).is_absolute()
+             or Path(base).exists() else []) + ([f"{', '.join(local)} hold paths of this machine"] if local else [])
+    if where:
+        raise SystemExit(f"error: {' and '.join(where)}; nobody else could load it: not uploading. Train with "
+                         "--base_model_id ORG/NAME (the Hub model the folder is a copy of), or set "
+                         "base_model_name_or_path in adapter_config.json.")
     token = token or os.environ.get("HF_TOKEN") or _saved_token()
-    if token:
-        for file in stage.iterdir():  # a token must never travel with the files
-            if token.encode() in file.read_bytes():
-                raise SystemExit(f"error: {file.name} contains the Hub token; not uploading.")
+    for name, data in contents.items():  # a token must never travel with the files
+        if token and token.encode() in data:
+            raise SystemExit(f"error: {name} contains the Hub token; not uploading.")
     return stage
 
 

@@ -101,8 +101,9 @@ class Shapes:
         return sum(d_in for d_in, _ in self.layer_linears)
 
     @classmethod
-    def of(cls, config) -> Shapes:
-        model = meta_model(config)
+    def of(cls, config, model=None) -> Shapes:
+        """Read off `model`, the meta model of `config` (built here when not given)."""
+        model = model if model is not None else meta_model(config)
         layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
         linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
         heads = config.num_attention_heads

@@ -193,28 +193,37 @@ def local_copy_of(base: str) -> str:
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
-def pickled_weights_only(name_or_path: str) -> str | None:
-    """Why a local model or adapter folder cannot be loaded safely: its weights are pickles only (loading a pickle
-    runs code it carries). None for a folder with safetensors, or for a Hub id (transformers then asks the Hub for
+def pickled_weights(name_or_path: str) -> list[str]:
+    """The pickled weight files of a local model or adapter folder that has no safetensors (loading a pickle runs the
+    code it carries); empty for a folder with safetensors, or for a Hub id (transformers then asks the Hub for
     safetensors, as every load here passes use_safetensors=True)."""
     folder = Path(name_or_path)
     if not folder.is_dir() or any(folder.glob("*.safetensors")):
-        return None
-    pickles = sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_SUFFIXES)
-    if not pickles:
-        return None
-    return (f"{folder} holds weights as pickles only ({', '.join(pickles[:3])}); the recipe loads safetensors only, "
-            "since unpickling runs whatever code the file carries. If you trust the files, convert them once: "
-            f"`python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{folder}', "
-            f"use_safetensors=False).save_pretrained('{folder}-safetensors')\"` (an adapter: PeftModel likewise)")
+        return []
+    return sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_SUFFIXES)
+
+
+def safetensors_conversion(folder: str) -> str:
+    """How to turn a trusted folder of pickled weights into one this recipe loads."""
+    return (f"if you trust the files, convert them once: `python -c \"from transformers import AutoModelForCausalLM as "
+            f"M; M.from_pretrained('{folder}', use_safetensors=False).save_pretrained('{folder}-safetensors')\"` "
+            "(an adapter: PeftModel likewise)")
+
+
+def refuse_pickled_weights(*folders: str) -> None:
+    """Stop before anything loads when a folder holds weights as pickles only."""
+    for folder in folders:
+        if pickles := pickled_weights(folder):
+            raise SystemExit(f"error: {folder} holds weights as pickles only ({', '.join(pickles[:3])}); the recipe "
+                             "loads safetensors only, since unpickling runs whatever code the file carries. "
+                             f"{safetensors_conversion(folder).capitalize()}")
 
 
 def load_causal_lm(name_or_path: str, **kwargs):
     """AutoModelForCausalLM.from_pretrained, safetensors only, refusing a pickles-only folder with its fix."""
     from transformers import AutoModelForCausalLM
 
-    if problem := pickled_weights_only(name_or_path):
-        raise SystemExit(f"error: {problem}")
+    refuse_pickled_weights(name_or_path)
     return AutoModelForCausalLM.from_pretrained(name_or_path, use_safetensors=True, **kwargs)
 
 
@@ -226,20 +235,17 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     `weights_from_rank0`: a sharded run in which rank 0 alone reads the checkpoint (device_map cpu) and the other ranks
     build on the meta device (device_map meta); sharding.receive_from_rank0 then sends what no engine carries, with
     the quantization state placed on `device`, the training device."""
-    from transformers import AutoModelForCausalLM
-
     if attention in (ATTENTION, EAGER_ATTENTION):
         register_attention(attention)
     quantization_config = build_quantization_config(model_args)
     with zero3_config_hidden(weights_from_rank0):
-        model = AutoModelForCausalLM.from_pretrained(
+        model = load_causal_lm(
             model_args.model_name_or_path,
             dtype=dtype,
             quantization_config=quantization_config,
             attn_implementation=attention,
             trust_remote_code=trust_remote_code,  # off unless asked: it runs the Hub repo's code
             device_map=device_map,
-            use_safetensors=True,  # never unpickle weights
             token=token,
         )
     if added_token_ids:
