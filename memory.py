@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -89,6 +91,7 @@ class Shapes:
     kv_dim: int
     vocab: int
     heads: int = 1  # attention heads (what eager attention's score matrices scale with)
+    softcap: bool = False  # the final logits are softcapped (Gemma-2): the loss's backward keeps more per tile
 
     @property
     def outside_layers(self) -> int:
@@ -122,6 +125,7 @@ class Shapes:
             kv_dim=getattr(config, "num_key_value_heads", heads) * head_dim,
             vocab=config.vocab_size,
             heads=heads,
+            softcap=getattr(config, "final_logit_softcapping", None) is not None,
         )
 
 
@@ -146,6 +150,7 @@ class Run:
     weights_from_rank0: bool = True  # FSDP fsdp_cpu_ram_efficient_loading: rank 0 reads, the other ranks receive
     checkpoint_dtype: str = "bfloat16"  # of the checkpoint files (config.json's dtype)
     eager_attention: bool = False  # eager_varlen (Gemma-2, gpt-oss): each example's seq^2 scores are materialized
+    labelled: float = 1.0  # of the tokens, those with a label (what the loss scores); 1.0 when the data is unknown
 
 
 @dataclass
@@ -174,6 +179,33 @@ PROCESS_BASE_GIB = 0.5
 TRAINER_RUNTIME_GIB = 0.3
 WRAP_RUNTIME_GIB = 0.02  # PEFT wrapping and building the Trainer before training (measured here: 0.018-0.036 GiB)
 ALLOCATOR_HEADROOM = 1.25  # reserved / allocated of PyTorch's caching allocator on long runs: 1.1-1.4 is typical
+
+
+# The loss of TRL 1.16's SFTTrainer (trl/trainer/utils.py add_fused_lm_head, trl/kernels/chunked_logprob.py
+# ChunkedLogProbFunction): the head projects only the labelled positions (on Triton devices; on CPU too through
+# fast_paths.score_labelled_positions_only), [TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE] at a time into one
+# reused buffer in the compute dtype. tests/test_memory.py fails if these constants move upstream.
+TRL_LOSS_VERSION = "1.16"
+LOSS_TILE_TOKENS = 4096
+LOSS_TILE_VOCAB = 32768
+# Bytes per tile element beyond the buffer, at the backward's peak. CUDA: a Triton kernel turns the tile into its
+# gradient in place (0). Elsewhere `_backward_tile` runs in torch ops, each an fp32 tensor of the tile's size alive
+# at once: y, z, log_p, p, grad, is_target (1 byte), is_target.float() and (is_target - p): 7 x 4 + 1; logit
+# softcapping (Gemma-2) keeps t = tanh(y / cap) beside them: 4. (Measured on 1024 x 4096 tiles: 33.0 and 36.9 bytes
+# per element with the 4-byte buffer; tests/test_memory.py measures it again.)
+LOSS_TILE_TORCH_BYTES = 7 * 4 + 1
+LOSS_TILE_SOFTCAP_BYTES = 4
+
+
+def loss_bytes(shapes: Shapes, run: Run, compute_bytes: int) -> float:
+    """Peak bytes of the loss beyond the model's activations: the reused tile and what the backward adds to it, the
+    labelled hidden states it keeps (hidden[mask]) and their gradient, accumulated in fp32 and cast back."""
+    scored = run.batch * run.seq * run.labelled
+    tile = min(scored, LOSS_TILE_TOKENS) * min(shapes.vocab, LOSS_TILE_VOCAB)
+    per_element = compute_bytes
+    if run.device != "cuda":
+        per_element += LOSS_TILE_TORCH_BYTES + (LOSS_TILE_SOFTCAP_BYTES if shapes.softcap else 0)
+    return tile * per_element + scored * shapes.hidden * (2 * compute_bytes + 4)
 
 
 def plan(shapes: Shapes, run: Run) -> Plan:
@@ -249,10 +281,12 @@ def plan(shapes: Shapes, run: Run) -> Plan:
         activations += lora_acts
         p.assumptions.append("LoRA: each adapted linear keeps its input again, cast to the adapter dtype and after "
                              "dropout")
-    logits = tokens * shapes.vocab * (2 + 4 + 4)  # bf16 logits, their fp32 upcast and its gradient in the loss
+    logits = loss_bytes(shapes, run, act_bytes)
     dequant = shapes.largest_linear * 2 if run.method == "qlora" else 0
-    p.assumptions.append(f"{run.batch} x {run.seq} tokens per GPU step; logits {shapes.vocab} wide in bf16 plus fp32 "
-                         "for the loss and its gradient")
+    p.assumptions.append(f"{run.batch} x {run.seq} tokens per step, {run.labelled:.0%} of them labelled; the loss "
+                         f"as TRL {TRL_LOSS_VERSION} computes it: the head projects the labelled positions only, in "
+                         f"tiles of {LOSS_TILE_TOKENS} tokens x {LOSS_TILE_VOCAB} vocabulary columns, never the whole "
+                         "logits")
 
     on_gpu = run.device == "cuda"
     state = {"weights (frozen)": base, "trainable weights": own, "gradients": grads, "optimizer state": optim}
@@ -262,7 +296,7 @@ def plan(shapes: Shapes, run: Run) -> Plan:
         state = {k: 0.0 for k in state}
     else:
         host_state = {}
-    gpu = {**state, "gathered layers": gathered, "activations": activations, "logits and loss": logits,
+    gpu = {**state, "gathered layers": gathered, "activations": activations, "loss (head tiles)": logits,
            "4-bit dequantization": dequant}
     if on_gpu:
         p.per_gpu = {k: v / GIB for k, v in gpu.items()}
@@ -330,17 +364,21 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
                              f"the device (the largest: {unit / GIB:.2f} GiB), broadcasts it and keeps each rank's "
                              "slice (measured on 2 CPU processes; the GPU copy and offload read from torch's code)")
     elif fsdp_from_rank0:
-        in_flight = largest / n + (largest if on_gpu else 0)  # rank 0's full tensor is its own weight on CPU
+        # accelerate's fsdp2_load_full_state_dict, per tensor: rank 0 broadcasts it whole, each rank receives it into
+        # a buffer of its size and distribute_tensor scatters the slices into new tensors. The peak is the slices
+        # kept so far, the tensor in flight and its new slice: at most every slice and the largest tensor (measured
+        # at 2.2 GiB: rank 1 2.15 GiB for 1.10 of slices and a 1.0 GiB head). Rank 0's whole tensors are its base
+        # (CPU) or a copy of one at a time on the device.
         if shards_on_host:
-            rank0 = reader + adapter + own_shard + in_flight
-            other = quant_state + adapter + own_shard + largest + largest / n
+            rank0 = reader + adapter + own_shard
+            other = quant_state + adapter + own_shard + largest
         else:
             rank0, other = reader + adapter, 0.0
-            gpu = own_shard + quant_state + adapter + largest + largest / n
+            gpu = own_shard + quant_state + adapter + largest
         p.assumptions.append("load (FSDP2): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the "
                              "other ranks build on the meta device; accelerate broadcasts one tensor at a time (the "
-                             f"largest: {largest / GIB:.2f} GiB), each rank keeps its 1/{n} slice, and rank 0 keeps "
-                             "the whole base until the last tensor is sent (measured on 2 CPU processes)")
+                             f"largest: {largest / GIB:.2f} GiB) and each rank keeps its 1/{n} slice (measured on 2 "
+                             "CPU processes with a 2.2 GiB model)")
     elif zero3 and run.weights_from_rank0:
         # sharding.partition_from_rank0, one module at a time: a rank > 0 gives the module real storage, receives it
         # whole from rank 0 and keeps its 1/n partition (the largest module: the embedding or the biggest linear)
@@ -371,14 +409,46 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     p.phases["load"] = {"gpu": gpu + (CUDA_CONTEXT_GIB * GIB if on_gpu else 0), "host rank 0": rank0,
                         "host other rank": other if n > 1 else 0.0,
                         "host machine": rank0 + other * (n - 1) + processes}
-    p.phases["train"] = {"gpu": sum(p.per_gpu.values()) * GIB, "host machine": sum(p.host.values()) * GIB}
+    if on_gpu:  # p.host is the machine's: the offloaded shards of every rank, and the processes
+        held = sum(p.host.values()) * GIB - processes
+        p.phases["train"] = {"gpu": sum(p.per_gpu.values()) * GIB, "host rank 0": held / n, "host other rank": held / n,
+                             "host machine": held + processes}
+    else:  # p.host is one rank's, its process included; unsharded weights left in the checkpoint's dtype stay the
+        # memory-mapped file's pages: no rank's own memory, one copy on the machine (read every step: kept resident)
+        mapped = base if not converted and not sharded and not qlora else 0.0
+        held = (sum(p.host.values()) - PROCESS_BASE_GIB) * GIB - mapped
+        p.phases["train"] = {"gpu": 0.0, "host rank 0": held, "host other rank": held if n > 1 else 0.0,
+                             "host machine": held * n + mapped + processes}
     # Save: the adapter alone is gathered onto rank 0 (sharding.gather_adapter; ZeRO-3: exclude_frozen_parameters).
     # What training left in host RAM (offloaded shards) is still there.
-    held = sum(p.host.values()) * GIB - processes if on_gpu else 0.0
+    held = held if on_gpu else 0.0
     p.phases["save"] = {"gpu": 0.0, "host rank 0": adapter, "host other rank": 0.0,
                         "host machine": held + adapter + processes}
     p.assumptions.append("save: only the trainable parameters are gathered, onto rank 0's host RAM")
     p.phases = {phase: {place: value / GIB for place, value in peaks.items()} for phase, peaks in p.phases.items()}
+
+
+# glibc serves allocations under its mmap threshold from heaps that keep what is freed; the threshold grows with every
+# freed large block, up to 32 MiB, so a model's weights and all-gather buffers (MiBs each) end up there. Measured with
+# a 2.2 GiB, 20-layer Llama under FSDP2 on 2 CPU processes: each rank held 4.5-5.3 GiB while training, 2.5 with a fixed
+# 64 KiB threshold, which is what the plan counts. Each block at or above it is its own mapping, returned when freed.
+MMAP_THRESHOLD_BYTES = 64 * 2**10
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def return_freed_memory() -> bool:
+    """Fix glibc's mmap threshold for this process, so host RAM follows what the run holds (False where this is not
+    glibc). MALLOC_MMAP_THRESHOLD_ in the environment, read by glibc at start-up, wins."""
+    import ctypes
+    import ctypes.util
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to fix
+        return False
 
 
 class PhasePeaks:
@@ -390,6 +460,9 @@ class PhasePeaks:
     allocation. Without /proc (not Linux) the host values are None."""
 
     INTERVAL_S = 0.002
+    # Where each phase starts, for a sampler outside the process (bench/memory_grid.py): one line per mark,
+    # "rank pid phase unix-time", appended to the file this variable names
+    MARKS_VARIABLE = "RECIPE_PHASE_MARKS"
 
     def __init__(self):
         self.phases: dict[str, dict[str, float | None]] = {}
@@ -415,8 +488,16 @@ class PhasePeaks:
             anon = self._status("RssAnon")[0] or 0
             self._anon_peak = max(self._anon_peak, anon)
 
+    @classmethod
+    def mark(cls, phase: str) -> None:
+        marks = os.environ.get(cls.MARKS_VARIABLE)
+        if marks:
+            with open(marks, "a") as out:
+                out.write(f"{os.environ.get('RANK', 0)} {os.getpid()} {phase} {time.time():.6f}\n")
+
     def start(self, phase: str) -> None:
         self.end()
+        self.mark(phase)
         try:
             Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak RSS (VmHWM) to the current RSS
         except OSError:
@@ -449,6 +530,7 @@ class PhasePeaks:
         if torch.cuda.is_available():
             record["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         self._current = None
+        self.mark("end")
 
 
 def format_plan(run: Run, p: Plan, gpu_gib: float | None = None) -> str:

@@ -33,7 +33,7 @@ from distributed import trainer_class
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
 from fast_paths import score_labelled_positions_only
-from memory import PhasePeaks
+from memory import PhasePeaks, return_freed_memory
 from report import TRAINING_KEYS, write_run_report
 from sharding import gather_adapter, hand_to_the_engine, save_fsdp1_adapter, zero3_config
 from training_data import DataError, TrainingData, prepare, summarize
@@ -55,6 +55,7 @@ def run(argv: list[str]):
         return finish_check(config), {}
 
     set_seed(config.training.seed)
+    return_freed_memory()  # before the weights: host RAM then follows what the plan counts
     data = load_data(config)
     peaks = PhasePeaks()  # loading: read (from_pretrained), wrap (PEFT, Trainer), shard (until the engine placed it)
     peaks.start("read")

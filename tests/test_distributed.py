@@ -150,7 +150,8 @@ def load_growth(phases: dict) -> float:
 
 def assert_phases_as_planned(by_rank: list[dict], model_dir, quantized: bool, engine: str, fsdp_version: int) -> None:
     """Rank 1 read nothing of the base, the save gathered the adapter alone, and both ranks' load and save peaks are
-    within 15% of the plan (or 10 MiB, for the smallest quantities)."""
+    within 15% of the plan (or 50 MiB: this 0.1 GiB model carries about 40 MiB of fixed costs that the plan leaves to
+    larger models, where tests/test_memory_at_scale.py holds each phase to 10%)."""
     # As configuration.planned_run describes these runs: fp32 LoRA, or 4-bit with the rest in the bf16 storage dtype
     run = Run(method="qlora" if quantized else "lora", engine=engine, gpus=2, device="cpu",
               precision="bf16" if quantized else "fp32", checkpoint_dtype="float32", batch=1, seq=512, lora_r=16,
@@ -170,4 +171,4 @@ def assert_phases_as_planned(by_rank: list[dict], model_dir, quantized: bool, en
           "rank 1 read", round(rank1["read"]["host_growth_gib"], 4), "of", round(model_gib, 3))
     assert predicted["save host rank 0"] < 0.1 * model_gib, predicted  # the adapter alone, not the base
     for key in measured:
-        assert abs(measured[key] - predicted[key]) <= max(0.15 * predicted[key], 10 / 1024), (key, measured, predicted)
+        assert abs(measured[key] - predicted[key]) <= max(0.15 * predicted[key], 50 / 1024), (key, measured, predicted)

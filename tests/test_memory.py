@@ -59,7 +59,7 @@ def test_preflight_warns_when_the_plan_does_not_fit(tiny_model_dir):
 
     argv = ["--per_device_train_batch_size", "64", "--max_length", "4096", "--activation_checkpointing", "false"]
     facts = dict(cuda=True, here=False, model_config=AutoConfig.from_pretrained(tiny_model_dir))
-    assert checks.memory_fit(settled(argv, gpu_gib=24, **facts)).level == "warning"
+    assert checks.memory_fit(settled(argv, gpu_gib=1, **facts)).level == "warning"
     assert checks.memory_fit(settled(argv, gpu_gib=4000, **facts)) is None
 
 
@@ -72,3 +72,53 @@ def test_command_prints_breakdown_assumptions_and_verdict(capsys):
     printed = capsys.readouterr().out
     for expected in ("per GPU:", "activations", "host RAM:", "weights (frozen)", "assumptions:", "fits in 24 GiB"):
         assert expected in printed
+
+
+def test_the_loss_tiles_are_trls():
+    """The planner's loss follows TRL's tiling; this fails when TRL changes it (the plan must then follow)."""
+    import trl
+    import trl.trainer.utils as trl_utils
+    from trl.kernels import chunked_logprob
+
+    from memory import LOSS_TILE_TOKENS, LOSS_TILE_VOCAB, TRL_LOSS_VERSION
+
+    assert chunked_logprob.TOKEN_CHUNK_SIZE == LOSS_TILE_TOKENS
+    assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == LOSS_TILE_VOCAB
+    assert trl.__version__.startswith(TRL_LOSS_VERSION)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcapped"])
+def test_the_loss_backward_holds_what_the_plan_counts_per_tile_element(softcap):
+    """TRL's chunked log-probabilities on CPU, forward and backward over 1024 x 4096 tiles, sampled from /proc: the
+    bytes held per tile element at the peak are the planner's (the fp32 buffer and the backward's torch temporaries)."""
+    import threading
+    import time
+
+    from trl.kernels import ChunkedLogProbFunction
+
+    from memory import LOSS_TILE_SOFTCAP_BYTES, LOSS_TILE_TORCH_BYTES, PhasePeaks, return_freed_memory
+
+    assert return_freed_memory()  # freed tiles leave the process, so what is sampled is what is held
+
+    def peak_bytes_per_element() -> float:
+        hidden = torch.randn(1024, 64, requires_grad=True)
+        weight, targets = torch.randn(8192, 64), torch.randint(0, 8192, (1024,))
+        start, peak, done = PhasePeaks._status("RssAnon")[0], [0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], PhasePeaks._status("RssAnon")[0])
+                time.sleep(0.0005)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        log_probs = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 4096, softcap, 1.0,
+                                                 ("log_probs", "entropy", "is_top1"))[0]
+        (-log_probs.sum()).backward()
+        done.set()
+        sampler.join()
+        return (peak[0] - start) / (1024 * 4096)
+
+    peak_bytes_per_element()  # the first call also sets up the kernels' own buffers
+    planned = 4 + LOSS_TILE_TORCH_BYTES + (LOSS_TILE_SOFTCAP_BYTES if softcap else 0)
+    assert peak_bytes_per_element() == pytest.approx(planned, rel=0.1)
