@@ -244,8 +244,11 @@ class Case:
 
 GRID = [
     Case("llama-logits", "one", "lora", 2048, False, supervised=1.0, batch=4),  # the logits case
+    Case("llama-logits", "one", "lora", 4096, False, supervised=1.0),
+    Case("llama-logits", "fsdp2", "lora", 4096, False, supervised=1.0),
     Case("llama-deep-2g", "fsdp2", "lora", 256, False),
     Case("llama-2g", "one", "lora", 256, False),
+    Case("llama-2g", "one", "qlora", 256, False),
     Case("llama-2g", "one", "qlora", 4096, True),
     Case("llama-2g", "fsdp2", "lora", 256, False),
     Case("llama-2g", "fsdp2", "qlora", 4096, False),

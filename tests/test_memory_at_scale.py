@@ -1,4 +1,4 @@
-"""The memory plan against runs of train.py on 2.1 GiB models, measured from outside the processes (bench/memory_grid.py
+"""The memory plan against runs of train.py on a 2.1 GiB model and a 128k-vocabulary loss, measured from outside the processes (bench/memory_grid.py
 runs the whole grid; this is its reduced case): each phase of each rank within 10% (or 50 MiB) of the plan."""
 
 import os
@@ -14,9 +14,9 @@ from memory_grid import Case  # noqa: E402
 
 REDUCED_GRID = [
     Case("llama-logits", "one", "lora", 4096, False, supervised=1.0),  # the loss over a 128k vocabulary, 4096 labels
-    Case("llama-2g", "one", "lora", 256, False),
-    Case("llama-2g", "fsdp2", "lora", 256, False),
-    Case("llama-2g", "zero3", "lora", 256, False),
+    Case("llama-logits", "fsdp2", "lora", 4096, False, supervised=1.0),  # the same on 2 processes
+    Case("llama-2g", "one", "lora", 256, False),  # 2.1 GiB of weights
+    Case("llama-2g", "fsdp2", "lora", 256, False),  # loaded from rank 0 and sharded
 ]
 
 
