@@ -421,9 +421,8 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
                              "host machine": held * n + mapped + processes}
     # Save: the adapter alone is gathered onto rank 0 (sharding.gather_adapter; ZeRO-3: exclude_frozen_parameters).
     # What training left in host RAM (offloaded shards) is still there.
-    held = held if on_gpu else 0.0
     p.phases["save"] = {"gpu": 0.0, "host rank 0": adapter, "host other rank": 0.0,
-                        "host machine": held + adapter + processes}
+                        "host machine": (held if on_gpu else 0.0) + adapter + processes}
     p.assumptions.append("save: only the trainable parameters are gathered, onto rank 0's host RAM")
     p.phases = {phase: {place: value / GIB for place, value in peaks.items()} for phase, peaks in p.phases.items()}
 

@@ -100,7 +100,7 @@ def make_data(out: Path, seq: int, supervised: float, examples: int = 16) -> Pat
     """Prompt/completion examples longer than `seq` tokens (the recipe truncates them to exactly `seq`), the
     completion starting after (1 - supervised) of them: `supervised` of each example's tokens carry a label."""
     rng = random.Random(0)
-    words = [w for w in "the of and to in is was for on that with as by at from his her an be this are".split()]
+    words = "the of and to in is was for on that with as by at from his her an be this are".split()
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train.jsonl", "w") as f:
         for _ in range(examples):
@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     results = []
     header = (f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores; growth of each rank's RssAnon above what it held when loading began.")
+              f"{os.cpu_count()} cores; growth of each rank's RssAnon above what it held when loading began (save: "
+              "above what it held when the save began).")
     with tempfile.TemporaryDirectory() as work:
         if args.replan:
             saved = json.loads(Path(args.out).with_suffix(".json").read_text())

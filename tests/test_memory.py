@@ -87,38 +87,49 @@ def test_the_loss_tiles_are_trls():
     assert trl.__version__.startswith(TRL_LOSS_VERSION)
 
 
-@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcapped"])
-def test_the_loss_backward_holds_what_the_plan_counts_per_tile_element(softcap):
-    """TRL's chunked log-probabilities on CPU, forward and backward over 1024 x 4096 tiles, sampled from /proc: the
+# Runs in a process of its own with glibc's mmap threshold fixed from its start: in a process that has freed large
+# blocks into its heaps (the test session), glibc serves the tiles from them and RSS does not grow.
+LOSS_TILE_PROBE = r"""
+import json, sys
+sys.path.insert(0, {repo!r})
+import torch
+from trl.kernels import ChunkedLogProbFunction
+from memory import GIB, PhasePeaks
+
+def peak_bytes_per_element(softcap):
+    hidden = torch.randn(1024, 64, requires_grad=True)
+    weight, targets = torch.randn(8192, 64), torch.randint(0, 8192, (1024,))
+    peaks = PhasePeaks()
+    peaks.start("loss")
+    log_probs = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 4096, softcap, 1.0,
+                                             ("log_probs", "entropy", "is_top1"))[0]
+    (-log_probs.sum()).backward()
+    peaks.end()
+    # the kernel's high-water mark: each freed tile is unmapped at once, and the kernel records the peak first
+    return peaks.phases["loss"]["rss_hwm_growth_gib"] * GIB / (1024 * 4096)
+
+peak_bytes_per_element(None)  # the first call also sets up the kernels' own buffers
+print(json.dumps({{"plain": peak_bytes_per_element(None), "softcapped": peak_bytes_per_element(30.0)}}))
+"""
+
+
+@pytest.mark.e2e
+def test_the_loss_backward_holds_what_the_plan_counts_per_tile_element():
+    """TRL's chunked log-probabilities on CPU, forward and backward over 1024 x 4096 tiles, the peak from /proc: the
     bytes held per tile element at the peak are the planner's (the fp32 buffer and the backward's torch temporaries)."""
-    import threading
-    import time
+    import json
+    import os
+    import subprocess
+    import sys
 
-    from trl.kernels import ChunkedLogProbFunction
+    from conftest import REPO
 
-    from memory import LOSS_TILE_SOFTCAP_BYTES, LOSS_TILE_TORCH_BYTES, PhasePeaks, return_freed_memory
+    from memory import LOSS_TILE_SOFTCAP_BYTES, LOSS_TILE_TORCH_BYTES, MMAP_THRESHOLD_BYTES
 
-    assert return_freed_memory()  # freed tiles leave the process, so what is sampled is what is held
-
-    def peak_bytes_per_element() -> float:
-        hidden = torch.randn(1024, 64, requires_grad=True)
-        weight, targets = torch.randn(8192, 64), torch.randint(0, 8192, (1024,))
-        start, peak, done = PhasePeaks._status("RssAnon")[0], [0], threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], PhasePeaks._status("RssAnon")[0])
-                time.sleep(0.0005)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        log_probs = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 4096, softcap, 1.0,
-                                                 ("log_probs", "entropy", "is_top1"))[0]
-        (-log_probs.sum()).backward()
-        done.set()
-        sampler.join()
-        return (peak[0] - start) / (1024 * 4096)
-
-    peak_bytes_per_element()  # the first call also sets up the kernels' own buffers
-    planned = 4 + LOSS_TILE_TORCH_BYTES + (LOSS_TILE_SOFTCAP_BYTES if softcap else 0)
-    assert peak_bytes_per_element() == pytest.approx(planned, rel=0.1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
+    result = subprocess.run([sys.executable, "-c", LOSS_TILE_PROBE.format(repo=str(REPO))], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["plain"] == pytest.approx(4 + LOSS_TILE_TORCH_BYTES, rel=0.1)
+    assert measured["softcapped"] == pytest.approx(4 + LOSS_TILE_TORCH_BYTES + LOSS_TILE_SOFTCAP_BYTES, rel=0.1)
