@@ -85,14 +85,15 @@ def make_model(name: str, cache: Path) -> Path:
 
     from utils import convert_default_model
 
-    out = cache / name
-    if (out / "config.json").exists():
+    out, made = cache / name, cache / f"{name}.made"  # written last: a run killed while saving starts over
+    if made.exists():
         return out
     tokenizer = AutoTokenizer.from_pretrained(convert_default_model())
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MODELS[name].config(tokenizer), dtype=torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    made.touch()
     return out
 
 
