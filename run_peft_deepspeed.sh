@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # LoRA + DeepSpeed ZeRO-3: Llama-2-70B on one node of 8 x H100 80 GB; the recipe of run_peft_fsdp.sh on DeepSpeed.
 # Reentrant activation checkpointing: non-reentrant fails under ZeRO-3 + PEFT ("Recomputed values ... shape [0]").
-# Memory:  planned 62.7 GiB per GPU (the FSDP figure plus fp32 master copies of the LoRA weights); host RAM 135.7 GiB
-#          while loading (rank 0 reads, DeepSpeed partitions module by module), 4.0 training. Not measured on GPUs.
+# Memory:  planned per GPU and host RAM in the README's Launchers table (bench/plan_tables.py makes it from the
+#          planner); `python train.py --check ...` with your flags prints the plan for your run.
 # Usage:   ./run_peft_deepspeed.sh [train.py flags that override the ones below]
 #          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs. Needs `pip install -r requirements-gpu.txt`.
 set -euo pipefail

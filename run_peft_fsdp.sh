@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # LoRA + FSDP2: Llama-2-70B on one node of 8 x H100 80 GB, ultrachat-style chat data, LoRA r=8 alpha=16 on every
 # linear layer, packing, bf16, activation checkpointing (non-reentrant, as the reference recipe).
-# Memory:  about 72-80 GB per GPU (published for this setup), host RAM: one copy of the checkpoint on rank 0.
+# Memory:  planned per GPU and host RAM in the README's Launchers table (bench/plan_tables.py makes it from the
+#          planner); `python train.py --check ...` with your flags prints the plan for your run.
 # Usage:   ./run_peft_fsdp.sh [train.py flags, which override the ones below, e.g. --max_steps 10]
 #          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs; ACCELERATE_CONFIG=configs/fsdp_config.yaml for FSDP1.
 set -euo pipefail

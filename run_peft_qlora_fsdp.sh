@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # QLoRA + FSDP1 + CPU offload: Llama-2-70B on 2 x 24 GB GPUs. 4-bit NF4 base with nested quantization, stored in bf16
 # so FSDP can shard it; reentrant activation checkpointing; otherwise the recipe of run_peft_fsdp.sh.
-# Memory:  planned 11.8 GiB per GPU; host RAM per machine 37.7 GiB loading (rank 0 reads and quantizes, the units
-#          are broadcast one at a time), 35.6 training, 35.8 saving (the adapter alone): 64 GB is enough. Published on
-#          an older stack: 19.6 GB per GPU, ~107 GB host. `python train.py --check ...` prints the plan for your flags.
+# Memory:  planned per GPU and host RAM in the README's Launchers table (bench/plan_tables.py makes it from the
+#          planner); `python train.py --check ...` with your flags prints the plan for your run.
 # Usage:   ./run_peft_qlora_fsdp.sh [train.py flags that override the ones below]
 #          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs; ACCELERATE_CONFIG=configs/fsdp2_config_qlora.yaml for FSDP2.
 set -euo pipefail

@@ -1,47 +1,173 @@
-"""The README's verdict table for the shipped model configs, made by the planner (`train.py --check` for each).
+"""The README's memory figures, made by the planner (what `train.py --check` prints for each run), never by hand.
 
-    .venv/bin/python bench/plan_tables.py   # prints the markdown rows; paste them under "New models"
+    .venv/bin/python bench/plan_tables.py           # prints the three README blocks
+    .venv/bin/python bench/plan_tables.py --write   # rewrites them in README.md, between their markers
 
-Each row is the configuration train.py settles for QLoRA on 2 x 24 GB with configs/fsdp2_config_qlora.yaml, batch
-2 x 2048, accumulation 4: the attention, the activation-checkpointing decision with the plans it was taken from, the
-plan per GPU and the host RAM of each phase, and preflight's verdict.
+- `models`: the verdict table for configs/models/, each as train.py settles QLoRA on 2 x 24 GB with
+  configs/fsdp2_config_qlora.yaml, batch 2 x 2048, accumulation 4: the attention, the activation-checkpointing
+  decision with the plans it was taken from, the plan per GPU and host RAM of each phase, and preflight's verdict.
+- `launchers`: each run_*.sh, run by bash with a stand-in `accelerate` that records its command, planned for
+  Llama-2-70B (its published config.json: fp16 checkpoint) on the launcher's hardware.
+- `qlora-64gb`: the host-RAM arithmetic of run_peft_qlora_fsdp.sh (FSDP1 + offload) from the same plan.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-FLAGS = ["--check", "--accelerate_config", "configs/fsdp2_config_qlora.yaml", "--gpu_gib", "24",
-         "--use_4bit_quantization", "true", "--max_length", "2048", "--per_device_train_batch_size", "2",
-         "--gradient_accumulation_steps", "4", "--eval_num_prompts", "0"]
+README = REPO / "README.md"
+MODEL_FLAGS = ["--check", "--accelerate_config", "configs/fsdp2_config_qlora.yaml", "--gpu_gib", "24",
+               "--use_4bit_quantization", "true", "--max_length", "2048", "--per_device_train_batch_size", "2",
+               "--gradient_accumulation_steps", "4", "--eval_num_prompts", "0"]
+# What each launcher is for (its header says the same): the hardware, each GPU's memory, and the figures published for
+# the reference recipe's run of it, where there are any.
+LAUNCHERS = {
+    "run_peft_fsdp.sh": ("8 x H100 80 GB", 80, "72-80 GB per GPU"),
+    "run_peft_qlora_fsdp.sh": ("2 x 24 GB, 64 GB host", 24, "19.6 GB per GPU, ~107 GB host"),
+    "run_peft_deepspeed.sh": ("8 x H100 80 GB", 80, "none"),
+    "run_peft_qlora_deepspeed.sh": ("2 GPUs, 48 GB+", 48, "none"),
+}
+# meta-llama/Llama-2-70b-hf's config.json, as published (the launchers' default model)
+LLAMA_2_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
+               "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+               "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
+               "tie_word_embeddings": False, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
+RECORDER = "#!/usr/bin/env python3\nimport json, os, sys\nopen(os.environ['ARGV_LOG'], 'w').write(json.dumps(sys.argv[1:]))\n"
+PHASES = ("load", "train", "save")
 
 
-def row(model_dir: Path) -> str:
+def host_by_phase(plan) -> str:
+    return ", ".join(f"{plan.phases[phase]['host machine']:.1f}" for phase in PHASES)
+
+
+def model_row(model_dir: Path) -> str:
     from memory import ALLOCATOR_HEADROOM
     from checks import preflight
     from configuration import configure, memory_plan
 
-    config = configure(["--model_name_or_path", str(model_dir), *FLAGS])
+    config = configure(["--model_name_or_path", str(model_dir), *MODEL_FLAGS])
     plans = {on: memory_plan(config, checkpointing=on).per_gpu_total * ALLOCATOR_HEADROOM for on in (False, True)}
     plan = memory_plan(config)
-    host = ", ".join(f"{peaks['host machine']:.1f}" for peaks in plan.phases.values())
     errors = [str(problem) for problem in preflight(config) if problem.level == "error"]
     verdict = "error: " + "; ".join(errors) if errors else "passed"  # as --check ends (config.json alone: no tokenizer)
     checkpointing = "on" if config.training.activation_checkpointing else "off"
     return (f"| {model_dir.name} | {config.attention} | {checkpointing} ({plans[False]:.1f} / {plans[True]:.1f}) | "
-            f"{plan.phases['train']['gpu']:.1f} | {host} | {verdict} |")
+            f"{plan.phases['train']['gpu']:.1f} | {host_by_phase(plan)} | {verdict} |")
 
 
-def main() -> None:
-    print("| model | attention | activation checkpointing (plan without / with, GiB per GPU incl. headroom) | plan per "
-          "GPU, train | host RAM per machine (load, train, save) | verdict |")
-    print("|---|---|---|---|---|---|")
-    for model_dir in sorted((REPO / "configs" / "models").iterdir()):
-        print(row(model_dir), flush=True)
+def models_table() -> str:
+    rows = [model_row(model_dir) for model_dir in sorted((REPO / "configs" / "models").iterdir())]
+    return "\n".join(["| model | attention | activation checkpointing (plan without / with, GiB per GPU incl. "
+                      "headroom) | plan per GPU, train | host RAM per machine (load, train, save) | verdict |",
+                      "|---|---|---|---|---|---|", *rows])
+
+
+def launcher_check_argv(script: str, model_dir: Path, gpu_gib: float, **env: str) -> list[str]:
+    """The launcher's `accelerate launch --config_file C train.py ARGS`, as bash runs it, turned into
+    `train.py --check --accelerate_config C ARGS --gpu_gib G` with the model's config.json in `model_dir`."""
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "accelerate").write_text(RECORDER)
+        (Path(folder) / "accelerate").chmod(0o755)
+        log = Path(folder) / "argv.json"
+        subprocess.run(["bash", str(REPO / script)], cwd=REPO, check=True, timeout=60,
+                       env={**os.environ, "PATH": f"{folder}:{os.environ['PATH']}", "ARGV_LOG": str(log),
+                            "MODEL": str(model_dir), **env})
+        argv = json.loads(log.read_text())
+    at = argv.index("train.py")
+    config_file = argv[argv.index("--config_file") + 1]
+    return ["--check", "--accelerate_config", config_file, *argv[at + 1:], "--gpu_gib", str(gpu_gib)]
+
+
+def launcher_plan(script: str, model_dir: Path, **env: str):
+    """The launcher's accelerate config file, its settled configuration and its memory plan (`env`: the launcher's
+    variables, e.g. ACCELERATE_CONFIG)."""
+    from configuration import configure, memory_plan
+
+    argv = launcher_check_argv(script, model_dir, LAUNCHERS[script][1], **env)
+    config = configure(argv)
+    return argv[argv.index("--accelerate_config") + 1], config, memory_plan(config)
+
+
+def launchers_table(model_dir: Path) -> str:
+    rows = []
+    for script, (hardware, _, published) in LAUNCHERS.items():
+        config_file, _, plan = launcher_plan(script, model_dir)
+        rows.append(f"| `{script}` | `{Path(config_file).name}` | {hardware} | "
+                    f"{plan.phases['train']['gpu']:.1f} / {host_by_phase(plan)} | {published} |")
+    return "\n".join(["| launcher | accelerate config | hardware | planned peak, GiB: per GPU (train) / host RAM per "
+                      "machine (load, train, save) | published |", "|---|---|---|---|---|", *rows])
+
+
+def qlora_64gb(model_dir: Path) -> str:
+    """run_peft_qlora_fsdp.sh's host RAM, phase by phase, in the plan's own terms."""
+    _, config, plan = launcher_plan("run_peft_qlora_fsdp.sh", model_dir)
+    host, load, train, save = plan.host, *(plan.phases[phase] for phase in PHASES)
+    state = host["trainable weights"] + host["gradients"] + host["optimizer state"]
+    def fits(plan) -> str:
+        return "64 GB is " + ("enough" if max(p["host machine"] for p in plan.phases.values()) < 64e9 / 2**30 else
+                              "not enough")
+
+    _, _, fsdp2 = launcher_plan("run_peft_qlora_fsdp.sh", model_dir, ACCELERATE_CONFIG="configs/fsdp2_config_qlora.yaml")
+    return (f"**QLoRA on 64 GB of host RAM** (`run_peft_qlora_fsdp.sh`, Llama-2-70B, {config.launch.num_processes} x "
+            f"24 GB, FSDP1 with offload): the 4-bit base (NF4 with nested constants, embeddings and head in bf16) is "
+            f"{host['weights (frozen)']:.1f} GiB. Load: rank 0 quantizes into host RAM one fp16 weight at a time "
+            f"(the memory-mapped checkpoint pages are cache the kernel can drop) while FSDP1 moves each unit to the "
+            f"GPU, broadcasts it and offloads the shards, freeing rank 0's copy as it goes: rank 0 "
+            f"{load['host rank 0']:.1f} GiB, each other rank {load['host other rank']:.1f}, the machine "
+            f"{load['host machine']:.1f} with the processes. Train: the offloaded shards "
+            f"({host['weights (frozen)']:.1f}) + adapter, gradients and AdamW state ({state:.1f}) + processes "
+            f"({host['processes']:.1f}) = {train['host machine']:.1f} GiB. Save: the adapter gathered onto rank 0 "
+            f"({save['host rank 0']:.1f}) on top = {save['host machine']:.1f} GiB: {fits(plan)}. The FSDP2 variant "
+            f"(`ACCELERATE_CONFIG=configs/fsdp2_config_qlora.yaml`) peaks at {fsdp2.phases['load']['host machine']:.1f} "
+            f"GiB while loading (accelerate keeps rank 0's whole base until the last shard is sent): {fits(fsdp2)}. "
+            "The published 107 GB was measured on an older stack, where (by its code) every rank loaded the model and "
+            "the final save gathered the full state dict.")
+
+
+def blocks() -> dict[str, str]:
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir = Path(folder) / "Llama-2-70b-hf"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(LLAMA_2_70B))
+        return {"models": models_table(), "launchers": launchers_table(model_dir),
+                "qlora-64gb": qlora_64gb(model_dir)}
+
+
+def marked(name: str) -> re.Pattern:
+    """README's block `name`: between `<!-- plan_tables.py: name -->` and `<!-- /plan_tables.py -->` lines."""
+    return re.compile(rf"(<!-- plan_tables\.py: {re.escape(name)} -->\n)(.*?)(\n<!-- /plan_tables\.py -->)", re.S)
+
+
+def readme_block(name: str, text: str) -> str | None:
+    found = marked(name).search(text)
+    return found.group(2) if found else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks in README.md")
+    args = parser.parse_args(argv)
+    made = blocks()
+    if not args.write:
+        print("\n\n".join(f"<!-- {name} -->\n{text}" for name, text in made.items()))
+        return
+    text = README.read_text()
+    for name, block in made.items():
+        if readme_block(name, text) is None:
+            sys.exit(f"README.md has no `<!-- plan_tables.py: {name} -->` ... `<!-- /plan_tables.py -->` block")
+        text = marked(name).sub(lambda found: found.group(1) + block + found.group(3), text)
+    README.write_text(text)
+    print(f"README.md: {', '.join(made)} rewritten")
 
 
 if __name__ == "__main__":

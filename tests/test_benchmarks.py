@@ -83,3 +83,14 @@ def test_gpu_check_dry_run_takes_every_path_it_can_on_cpu(tmp_path, smol_dir):
     loading = check["loading"]
     assert loading["passed"] and loading["sharded"] and loading["launch_environment"]["FSDP_VERSION"] == "1"
     assert loading["four_bit_parameters_by_device"] == {"cpu": 14}  # 2 layers x 7 linears, 4-bit
+
+
+@pytest.mark.e2e  # plans the shipped model configs and launchers as `train.py --check` does
+def test_readme_memory_figures_are_what_the_planner_makes_of_them():
+    """The README's verdict table, launchers table and 64 GB paragraph are plan_tables.py's output for today's planner:
+    a planner change that moves a figure fails here until `bench/plan_tables.py --write` is run."""
+    import plan_tables
+
+    readme = plan_tables.README.read_text()
+    for name, block in plan_tables.blocks().items():
+        assert plan_tables.readme_block(name, readme) == block, f"README's {name} block: run bench/plan_tables.py --write"

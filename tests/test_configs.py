@@ -47,7 +47,7 @@ def test_configs_are_found():
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
 def test_every_config_starts_with_what_it_is_for_and_its_memory(path):
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
-    assert path.read_text().startswith("# ") and any("Memory" in line or "memory" in line for line in header[:8]) \
+    assert path.read_text().startswith("# ") and any(line.startswith("# Memory:  ") for line in header[:8]) \
         or path.name == "llama2_70b_chat_sft.yaml"
 
 
