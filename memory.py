@@ -458,9 +458,12 @@ class PhasePeaks:
     Host: the peak of anonymous memory (RssAnon, sampled every 2 ms by a thread) above the phase's start: what the
     plan counts and what the OOM killer weighs. The kernel's exact high-water mark (VmHWM, reset at each phase start)
     is kept too; it also counts the memory-mapped checkpoint pages, which the kernel can drop. GPU: the peak CUDA
-    allocation. Without /proc (not Linux) the host values are None."""
+    allocation (what the plan counts), the peak the caching allocator reserved, and the peak of the device's used
+    memory (cudaMemGetInfo, sampled every 20 ms: the process's whole footprint, CUDA context and NCCL buffers included,
+    while it has the GPU to itself). Without /proc (not Linux) the host values are None."""
 
     INTERVAL_S = 0.002
+    DEVICE_EVERY = 10  # samples: the device's used memory every 20 ms (a driver call, not a /proc read)
     # Where each phase starts, for a sampler outside the process (bench/memory_grid.py): one line per mark,
     # "rank pid phase unix-time", appended to the file this variable names
     MARKS_VARIABLE = "RECIPE_PHASE_MARKS"
@@ -471,6 +474,7 @@ class PhasePeaks:
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
         self._anon_peak = 0
+        self._device_peak = 0
 
     @staticmethod
     def _status(*fields: str) -> list[int | None]:
@@ -484,10 +488,19 @@ class PhasePeaks:
             pass
         return list(values.values())
 
-    def _sample(self) -> None:
+    def _sample(self, device: int | None) -> None:
+        count = 0
         while not self._stop.wait(self.INTERVAL_S):
             anon = self._status("RssAnon")[0] or 0
             self._anon_peak = max(self._anon_peak, anon)
+            count += 1
+            if device is not None and count % self.DEVICE_EVERY == 0:
+                self._device_peak = max(self._device_peak, self._device_used(device))
+
+    @staticmethod
+    def _device_used(device: int) -> int:
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
 
     @classmethod
     def mark(cls, phase: str) -> None:
@@ -509,9 +522,11 @@ class PhasePeaks:
         self.phases[phase] = {"host_start_gib": anon / GIB if anon is not None else None,
                               "rss_start_gib": rss / GIB if rss is not None else None}
         self._current, self._anon_peak = phase, anon or 0
-        if anon is not None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._device_peak = self._device_used(device) if device is not None else 0
+        if anon is not None or device is not None:
             self._stop.clear()
-            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler = threading.Thread(target=self._sample, args=(device,), daemon=True)
             self._sampler.start()
 
     def end(self) -> None:
@@ -530,6 +545,9 @@ class PhasePeaks:
             record["rss_hwm_growth_gib"] = hwm / GIB - record["rss_start_gib"]
         if torch.cuda.is_available():
             record["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+            record["cuda_reserved_peak_gib"] = torch.cuda.max_memory_reserved() / GIB
+            device = torch.cuda.current_device()
+            record["cuda_device_used_peak_gib"] = max(self._device_peak, self._device_used(device)) / GIB
         self._current = None
         self.mark("end")
 

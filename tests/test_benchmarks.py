@@ -52,19 +52,47 @@ def test_matmul_ceiling_times_the_products_whose_flops_utilisation_counts(smol_d
     assert 0 < seconds < 1
 
 
+def hand_built_wheel(folder: Path, name: str = "gpu_check_probe", version: str = "1.2.3") -> Path:
+    """A pure-Python wheel of one module, hashed as pip checks it, to carry in place of the real ones."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": "VALUE = 1\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text.encode())}" for path, text in files.items()]
+    files[f"{dist}/RECORD"] = "\n".join([*record, f"{dist}/RECORD,,"]) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    return wheel
+
+
 @pytest.mark.e2e
 @pytest.mark.native_bf16
 def test_gpu_check_dry_run_takes_every_path_it_can_on_cpu(tmp_path, smol_dir):
-    """bench/gpu_check.py --dry_run: the speed part (gpu_benchmark.py's LoRA run, tiny shape), the FSDP2 launcher
-    trained, saved and reloaded to the same logits, and the 4-bit load under the QLoRA FSDP environment. The path
-    only: numbers measured on this CPU (speed, utilisation) are no verdict; the test asserts that each is there."""
-    out = tmp_path / "out"
+    """bench/gpu_check.py --dry_run: the install of what was carried (a hand-built wheel) and the start again with it
+    on the path, the speed part (gpu_benchmark.py's LoRA run, tiny shape), the FSDP2 launcher trained, saved and
+    reloaded to the same logits, and the 4-bit load under the QLoRA FSDP environment, each run's memory beside its plan.
+    The path only: numbers measured on this CPU (speed, utilisation) are no verdict; the test asserts that each is
+    there."""
+    out, carried = tmp_path / "out", tmp_path / "carried"
+    hand_built_wheel(carried / "wheels")
     result = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "run", "--dry_run", "--out",
-                             str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+                             str(out), "--carried", str(carried), "--site", str(tmp_path / "site")], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert {p.name for p in out.iterdir()} >= {"gpu_check.json", "gpu_check.log"}
+    log = (out / "gpu_check.log").read_text().splitlines()
+    assert log[0] == f"installing 1 wheels into {tmp_path / 'site'}" and log[2].startswith("gpu_check ")  # log first
     check = json.loads((out / "gpu_check.json").read_text())
     assert check["dry_run"] and check["versions"]["transformers"] == "5.23.0"
+    assert check["installed"] == {"gpu_check_probe": {"carried": "1.2.3", "imported": "1.2.3"}}  # after the re-exec
 
     speed = check["speed"]
     assert speed["device"] == "CPU" and set(speed["results"]) == {"lora"}
@@ -72,17 +100,46 @@ def test_gpu_check_dry_run_takes_every_path_it_can_on_cpu(tmp_path, smol_dir):
         assert row["tokens"] > 256 and row["tokens_per_s"] > 0 and row["mfu_measured_peak"] > 0
         assert row["steady_tokens_per_s"] > 0 and row["first_step_seconds"] > 0 and row["attention"] == "sdpa_varlen"
         assert row["peak_rss_gib"] > 0.3
+        assert_memory_beside_plan(row["memory_against_plan"])
     assert 30 < speed["planned_70b_qlora_one_gpu_gib"] < 80 and len(speed["summary"]) == 3
 
     launchers = check["launchers"]
     fsdp2 = launchers.pop("fsdp2-lora")
     assert fsdp2["passed"] and fsdp2["distributed_type"] == "DistributedType.FSDP" and len(fsdp2["losses"]) == 5
     assert fsdp2["logits_max_abs_difference"] <= 1e-4 * fsdp2["logits_max_abs"]  # fp32 on CPU: rounding only
+    assert_memory_beside_plan(fsdp2["memory_against_plan"])
     assert {row["skipped"] for row in launchers.values()} == {"dry run: tests/test_distributed.py trains it on CPU"}
 
     loading = check["loading"]
     assert loading["passed"] and loading["sharded"] and loading["launch_environment"]["FSDP_VERSION"] == "1"
     assert loading["four_bit_parameters_by_device"] == {"cpu": 14}  # 2 layers x 7 linears, 4-bit
+    assert loading["planned_load_gpu_gib"] == 0 and loading["planned_load_host_rank0_gib"] > 0
+
+
+def assert_memory_beside_plan(rows: dict) -> None:
+    """Each phase: the plan and the measurement side by side (on CPU the GPU columns are empty)."""
+    assert set(rows) == {"load", "train", "save"}
+    for row in rows.values():
+        assert row["planned_host_gib"] > 0 and row["host_growth_gib"] is not None
+        assert row["allocated_gib"] is None and row["device_used_gib"] is None and row["planned_gpu_gib"] == 0
+
+
+def test_gpu_check_part_timeout_stops_the_part_and_every_process_it_started():
+    """A part past its time raises in the check's own process and kills the whole session of the command it waits on
+    (accelerate's launcher and the training process under it), so the next part starts on a free machine."""
+    import os
+    import time
+
+    import gpu_check
+
+    started = time.time()
+    marker = f"gpu-check-orphan-{os.getpid()}"
+    with pytest.raises(gpu_check.PartTimeout):
+        gpu_check.bounded(1, lambda: gpu_check.run_process(["bash", "-c", f"(exec -a {marker} sleep 60) & wait"]))
+    assert time.time() - started < 10
+    time.sleep(0.2)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert left == ""
 
 
 @pytest.mark.e2e  # plans the shipped model configs and launchers as `train.py --check` does
