@@ -195,17 +195,25 @@ LOSS_TILE_VOCAB = 32768
 # per element with the 4-byte buffer; tests/test_memory.py measures it again.)
 LOSS_TILE_TORCH_BYTES = 7 * 4 + 1
 LOSS_TILE_SOFTCAP_BYTES = 4
+# Then the backward adds the tile's product with the head's chunk into the fp32 gradient of the hidden states
+# (`_addmm_fp32`): on CUDA from bf16 inputs directly (addmm with out_dtype); elsewhere through fp32 copies of the tile
+# and of the chunk of the head's weight, after the fold's temporaries are gone (a 2.1 GiB Llama in bf16 storage,
+# QLoRA, 32 labelled tokens: 0.25 GiB for a 32768 x 2048 chunk, where the tile's temporaries were 0.03).
+LOSS_UPCAST_BYTES = 4
 
 
 def loss_bytes(shapes: Shapes, run: Run, compute_bytes: int) -> float:
     """Peak bytes of the loss beyond the model's activations: the reused tile and what the backward adds to it, the
     labelled hidden states it keeps (hidden[mask]) and their gradient, accumulated in fp32 and cast back."""
     scored = run.batch * run.seq * run.labelled
-    tile = min(scored, LOSS_TILE_TOKENS) * min(shapes.vocab, LOSS_TILE_VOCAB)
-    per_element = compute_bytes
+    columns = min(shapes.vocab, LOSS_TILE_VOCAB)
+    tile = min(scored, LOSS_TILE_TOKENS) * columns
+    backward = 0.0
     if run.device != "cuda":
-        per_element += LOSS_TILE_TORCH_BYTES + (LOSS_TILE_SOFTCAP_BYTES if shapes.softcap else 0)
-    return tile * per_element + scored * shapes.hidden * (2 * compute_bytes + 4)
+        backward = tile * (LOSS_TILE_TORCH_BYTES + (LOSS_TILE_SOFTCAP_BYTES if shapes.softcap else 0))
+        if compute_bytes < LOSS_UPCAST_BYTES:
+            backward = max(backward, (tile + columns * shapes.hidden) * LOSS_UPCAST_BYTES)
+    return tile * compute_bytes + backward + scored * shapes.hidden * (2 * compute_bytes + 4)
 
 
 def plan(shapes: Shapes, run: Run) -> Plan:

@@ -1,5 +1,7 @@
 """Memory planner: counts from the meta model are exact; the arithmetic behaves; published points are near."""
 
+import inspect
+
 import pytest
 import torch
 from conftest import settled
@@ -85,6 +87,8 @@ def test_the_loss_tiles_are_trls():
     assert chunked_logprob.TOKEN_CHUNK_SIZE == LOSS_TILE_TOKENS
     assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == LOSS_TILE_VOCAB
     assert trl.__version__.startswith(TRL_LOSS_VERSION)
+    # off CUDA the backward upcasts the tile and the head's chunk to fp32 (memory.LOSS_UPCAST_BYTES)
+    assert "acc.addmm_(a.float(), b.float())" in inspect.getsource(chunked_logprob._addmm_fp32)
 
 
 # Runs in a process of its own with glibc's mmap threshold fixed from its start: in a process that has freed large
