@@ -251,6 +251,10 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     if added_token_ids:
         # Mean-resizing reads the existing rows: not on the meta device (rank 0's rows are broadcast over them anyway)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=device_map != {"": "meta"})
+    import moe
+
+    if moe.fused_experts(model):  # before the 4-bit state is sent: the split experts are 4-bit layers too
+        moe.split_experts(model, quantization_config)
     if weights_from_rank0:
         from sharding import receive_from_rank0
 

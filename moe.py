@@ -1,0 +1,197 @@
+"""Mixture-of-experts layers as the recipe trains them: each expert's matrices as separate linear modules.
+
+transformers 5 stores the experts of a MoE layer as fused 3-D parameters (`experts.gate_up_proj`: experts x 2I x H,
+`experts.down_proj`: experts x H x I), not as `nn.Linear`. bitsandbytes' quantizer replaces only `nn.Linear`, so under
+QLoRA the experts (96% of Mixtral's weights) would stay in 16 bits, and PEFT's `all-linear` would leave them out.
+`split_experts` replaces each fused experts module by `ExpertLinears`: one module per expert holding its gate, up and
+down projections as `nn.Linear` views of the fused weights (LoRA: no copy), or as bitsandbytes `Linear4bit` quantized
+one expert at a time (QLoRA: the fused 16-bit tensor of a layer is freed once its experts are packed). From there the
+experts are ordinary linear layers: PEFT adapts them under `all-linear`, FSDP and ZeRO-3 shard their 4-bit payloads
+like the attention's (sharding.py), and the routing computes what the fused module computed.
+
+The experts take the names of the transformers 4 checkpoints (Mixtral `w1`/`w3`/`w2`, the others
+`gate_proj`/`up_proj`/`down_proj`), so an adapter trained here loads onto the stock transformers 5 model: PEFT 0.21
+converts such adapters into its fused `target_parameters` form on load (peft/utils/transformers_weight_conversion.py).
+gpt-oss was fused from its first release: its adapter loads onto a model split here (`split_experts`).
+
+The router (`mlp.gate` / `mlp.router`) is a parameter of its own, not a linear module: `all-linear` never adapts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one family's fused experts compute, and the per-expert names its transformers 4 checkpoints used."""
+
+    gate: str
+    up: str
+    down: str
+    interleaved: bool = False  # gpt-oss: gate and up alternate in gate_up_proj, stored in x @ W order, with biases
+
+
+STANDARD = Layout("gate_proj", "up_proj", "down_proj")
+LAYOUTS = {"MixtralExperts": Layout("w1", "w3", "w2"), "GptOssExperts": Layout("gate_proj", "up_proj", "down_proj",
+                                                                               interleaved=True)}
+
+
+def fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every fused experts module: a 3-D `gate_up_proj` parameter."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3]
+
+
+def layout_of(module: nn.Module) -> Layout | None:
+    """The module's layout, or None where it holds parameters this file does not know how to split."""
+    layout = LAYOUTS.get(type(module).__name__, STANDARD)
+    known = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if layout.interleaved else set())
+    names = {name for name, _ in module.named_parameters(recurse=False)}
+    return layout if names == known and module.down_proj.dim() == 3 else None
+
+
+class Expert(nn.Module):
+    """One expert: down(glu(gate(x), up(x))), its three projections named as `layout` says."""
+
+    def __init__(self, layout: Layout, gate: nn.Module, up: nn.Module, down: nn.Module, glu):
+        super().__init__()
+        self.layout, self.glu = layout, glu
+        setattr(self, layout.gate, gate)
+        setattr(self, layout.up, up)
+        setattr(self, layout.down, down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = getattr(self, self.layout.gate)(x)
+        up = getattr(self, self.layout.up)(x)
+        return getattr(self, self.layout.down)(self.glu(gate, up))
+
+
+class ExpertLinears(nn.ModuleList):
+    """A MoE layer's experts, one module each; called as the fused module was: (hidden states, each token's top-k
+    expert indices, their routing weights)."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():  # the fused modules' own routing: for each expert, its (top-k slot, token) pairs
+            expert_mask = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
+            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for index in hit[:, 0].tolist():
+            if index == len(self):
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[index])
+            out = self[index](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+
+def standard_glu(act_fn):
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return act_fn(gate) * up
+    return glu
+
+
+def gpt_oss_glu(alpha: float, limit: float):
+    """GptOssExperts._apply_gate on gate and up already apart."""
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return glu
+
+
+@dataclass(frozen=True)
+class FourBit:
+    """bitsandbytes' 4-bit settings, as the recipe's BitsAndBytesConfig has them for the other linear layers."""
+
+    compute_dtype: torch.dtype
+    quant_type: str
+    nested: bool
+    storage: torch.dtype
+
+    @classmethod
+    def of(cls, quantization_config) -> FourBit | None:
+        if quantization_config is None or not getattr(quantization_config, "load_in_4bit", False):
+            return None
+        return cls(quantization_config.bnb_4bit_compute_dtype, quantization_config.bnb_4bit_quant_type,
+                   quantization_config.bnb_4bit_use_double_quant, quantization_config.bnb_4bit_quant_storage)
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None, four_bit: FourBit | None) -> nn.Module:
+    """An nn.Linear over `weight` (out x in, shared, not copied), or a bitsandbytes Linear4bit holding it quantized
+    (on the meta device: unquantized, sharding.receive_from_rank0 gives it rank 0's packed weight)."""
+    out_features, in_features = weight.shape
+    if four_bit is None:
+        with torch.device("meta"):
+            module = nn.Linear(in_features, out_features, bias=bias is not None)
+        module.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
+        if bias is not None:
+            module.bias = nn.Parameter(bias, requires_grad=bias.requires_grad)
+        return module
+    import bitsandbytes as bnb
+
+    with torch.device("meta"):
+        module = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None,
+                                   compute_dtype=four_bit.compute_dtype, compress_statistics=four_bit.nested,
+                                   quant_type=four_bit.quant_type, quant_storage=four_bit.storage)
+    module.weight = bnb.nn.Params4bit(weight.detach().contiguous(), requires_grad=False,
+                                      compress_statistics=four_bit.nested, quant_type=four_bit.quant_type,
+                                      quant_storage=four_bit.storage, module=module)
+    if weight.device.type != "meta":
+        module.weight = module.weight.to(weight.device)  # quantizes: bitsandbytes packs on the first move
+    if bias is not None:
+        module.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return module
+
+
+def split(module: nn.Module, layout: Layout, four_bit: FourBit | None) -> ExpertLinears:
+    """`module`'s experts as ExpertLinears (the fused parameters are released by the caller's replacement)."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    experts = ExpertLinears()
+    for e in range(gate_up.shape[0]):
+        if layout.interleaved:  # x @ W: the transposes are the linear weights; gate and up alternate in the columns
+            w, b = gate_up[e].t(), module.gate_up_proj_bias[e]
+            parts = [(w[0::2], b[0::2]), (w[1::2], b[1::2]), (down[e].t(), module.down_proj_bias[e])]
+            glu = gpt_oss_glu(module.alpha, module.limit)
+        else:
+            half = gate_up.shape[1] // 2
+            parts = [(gate_up[e, :half], None), (gate_up[e, half:], None), (down[e], None)]
+            glu = standard_glu(module.act_fn)
+        if layout.interleaved and four_bit is None:  # strided views: one contiguous copy each, once
+            parts = [(w.contiguous(), b.contiguous()) for w, b in parts]
+        gate, up, down_linear = (linear(w, b, four_bit) for w, b in parts)
+        experts.append(Expert(layout, gate, up, down_linear, glu))
+    return experts
+
+
+def split_experts(model: nn.Module, quantization_config=None) -> dict[str, int]:
+    """Replace every fused experts module of `model` by ExpertLinears (4-bit when `quantization_config` loads in 4
+    bits); returns the count of expert matrices by name, e.g. {"w1": 256, "w3": 256, "w2": 256}. Raises ValueError
+    for a fused layout this file does not know."""
+    from compat import peft_keeps_split_experts
+
+    peft_keeps_split_experts()  # else PEFT would turn the experts' names into fused targets that no longer exist
+    four_bit = FourBit.of(quantization_config)
+    counts: dict[str, int] = {}
+    for name, module in fused_experts(model):
+        layout = layout_of(module)
+        if layout is None:
+            raise ValueError(f"{name} ({type(module).__name__}) stores its experts in a layout the recipe cannot split "
+                             "into linear layers; train it without 4-bit quantization, with LoRA on attention only "
+                             "(--lora_target_modules q_proj,k_proj,v_proj,o_proj)")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, split(module, layout, four_bit))
+        for role in (layout.gate, layout.up, layout.down):
+            counts[role] = counts.get(role, 0) + module.gate_up_proj.shape[0]
+    return counts
+
+
+def is_moe(config) -> bool:
+    """The model routes tokens to experts (its config names how many)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(getattr(text, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
