@@ -66,6 +66,9 @@ class ModelArguments:
         default="all-linear",
         metadata={"help": "Comma list of module names (q_proj,v_proj,...) or all-linear (every linear but lm_head)."},
     )
+    lora_router: bool = field(default=False, metadata={
+        "help": "Mixtures of experts: also adapt each layer's router (off: a LoRA there changes which experts each "
+                "token reaches)."})
     use_4bit_quantization: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bits (bnb)."})
     use_8bit_quantization: bool = field(default=False, metadata={"help": "Load the base in 8 bits (bnb)."})
     use_nested_quant: bool = field(default=False, metadata={"help": "4-bit: also quantize the quantization constants."})

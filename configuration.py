@@ -23,6 +23,7 @@ from arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, Mod
                        parse_arguments)
 from distributed import CPU_FSDP1_OVERRIDES, Launch, launch_environment
 from fast_paths import ATTENTION, EAGER_ATTENTION, attention_for, compile_settings
+from moe import is_moe
 from utils import (DEFAULT_MODEL_DIR, build_tokenizer, convert_default_model, gguf_source, hub_id_of,
                    is_flash_attn_installed)
 from memory import GIB
@@ -151,6 +152,7 @@ class Configuration:
     attention: str = ATTENTION  # attn_implementation
     device_map: dict | None = None  # from_pretrained's placement (4-bit on one GPU: bnb quantizes while placing;
     # {"": "meta"}: this rank reads nothing and receives its weights from rank 0)
+    place_on: str | None = None  # where the model moves once loaded on the host (a 4-bit MoE on one GPU)
     max_length: int | None = None  # tokens per example as the recipe truncates (TRL's own is None when padding-free)
     weights_from_rank0: bool = False  # rank 0 reads the checkpoint, the other ranks receive their shards (sharding.py)
     cpu_engine: str | None = None  # "fsdp" or "deepspeed" on a host without accelerator (accelerate would drop it)
@@ -247,9 +249,18 @@ def settle(request: Request, facts: Facts) -> Configuration:
         decisions.append(Decision("max_length (TRL)", None, f"padding-free batches: the recipe truncates each example "
                                   f"to {config.max_length} tokens itself; TRL refuses a length it would not enforce"))
     config.dtype = load_dtype(config.model, training)
-    if config.quantized_4bit and facts.gpu_here and not facts.launch.sharded:
+    mixture = facts.model_config is not None and is_moe(facts.model_config)
+    if config.quantized_4bit and facts.gpu_here and not facts.launch.sharded and mixture:
+        config.device_map, config.place_on = {"": "cpu"}, f"cuda:{facts.launch.local_rank}"
+        decisions.append(Decision("device_map", config.device_map, "a 4-bit mixture of experts is loaded on the host, "
+                                  "its experts quantized there one at a time (moe.py), then moved to the GPU: "
+                                  "bitsandbytes quantizes only linear layers while placing, and the fused experts "
+                                  "would reach the GPU in 16 bits"))
+    elif config.quantized_4bit and facts.gpu_here and not facts.launch.sharded:
         config.device_map = {"": facts.launch.local_rank}
         decisions.append(Decision("device_map", config.device_map, "bitsandbytes quantizes while placing on the GPU"))
+    if mixture:
+        decide_mixture_of_experts(config)
     zero3_4bit = facts.launch.zero_stage == 3 and config.quantized_4bit  # transformers' zero.Init skips 4-bit models
     config.weights_from_rank0 = facts.launch.weights_from_rank0 or zero3_4bit
     if config.weights_from_rank0:
@@ -282,6 +293,26 @@ def settle(request: Request, facts: Facts) -> Configuration:
         decisions.append(Decision("hub_token", "kept out of the training arguments", "they are pickled into every "
                                   "checkpoint; the token is passed to the loaders and the upload only"))
     return config
+
+
+def decide_mixture_of_experts(config: Configuration) -> None:
+    """What a mixture of experts trains: its experts as linear layers, its router only when asked, and the
+    load-balancing loss where the model's config weights it (TRL adds it and logs it as aux_loss)."""
+    text = config.facts.model_config.get_text_config()
+    config.decisions.append(Decision("experts", "one linear module per expert matrix" + (
+        ", 4-bit" if config.quantized_4bit else ""), "transformers 5 fuses them into 3-D parameters, which bitsandbytes "
+        "would leave in 16 bits and all-linear would skip (moe.py)"))
+    if config.uses_peft:
+        config.decisions.append(Decision("router", "adapted" if config.model.lora_router else "not adapted",
+            "--lora_router true" if config.model.lora_router else "a LoRA on the router changes which experts each "
+            "token reaches; --lora_router true adapts it"))
+    coef = getattr(text, "router_aux_loss_coef", None)
+    if config.training.router_aux_loss_coef is not None:
+        coef, why = config.training.router_aux_loss_coef, "--router_aux_loss_coef"
+    else:
+        why = "the model's config" if coef else "the model's config declares none"
+    config.decisions.append(Decision("load-balancing loss", f"coefficient {coef or 0}", why + (
+        "; TRL adds it to the loss and logs it as aux_loss" if coef else "")))
 
 
 def planned_run(config: Configuration):

@@ -195,3 +195,10 @@ def is_moe(config) -> bool:
     """The model routes tokens to experts (its config names how many)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return any(getattr(text, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def router_weights(model: nn.Module) -> list[str]:
+    """The router weight of each MoE layer, as PEFT's target_parameters names them (e.g. "mlp.gate.weight")."""
+    names = {f"{name.split('.')[-2]}.{name.split('.')[-1]}.weight" for name, module in model.named_modules()
+             if type(module).__name__.endswith("Router") and isinstance(getattr(module, "weight", None), nn.Parameter)}
+    return sorted(names)

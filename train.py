@@ -179,7 +179,8 @@ def build_base_model(config: Configuration):
     return build_model(config.model, config.facts.tokenizer, config.facts.added_token_ids, dtype=config.dtype,
                        attention=config.attention, device_map=config.device_map,
                        weights_from_rank0=config.weights_from_rank0, device=config.training.device,
-                       trust_remote_code=config.training.trust_remote_code, token=config.hub_token)
+                       trust_remote_code=config.training.trust_remote_code, token=config.hub_token,
+                       place_on=config.place_on)
 
 
 def heldout_prompts(config: Configuration, data: TrainingData) -> HeldOut | None:
@@ -243,7 +244,7 @@ def build_trainer(config: Configuration, model, data: TrainingData):
         train_dataset=data.datasets["train"],
         eval_dataset=data.datasets.get(config.data.eval_split) if config.data.eval_split else None,
         processing_class=config.facts.tokenizer,
-        peft_config=build_peft_config(config.model, config.facts.added_token_ids),
+        peft_config=build_peft_config(config.model, config.facts.added_token_ids, model),
         callbacks=[step_times],
     )
     if config.uses_peft and config.base_model_id:  # what adapter_config.json records: not a path on this disk
@@ -254,7 +255,23 @@ def build_trainer(config: Configuration, model, data: TrainingData):
                            config.training.device)
     if config.uses_peft and trainer.accelerator.is_main_process:
         trainer.model.print_trainable_parameters()
+        log("LoRA adapts: " + ", ".join(f"{name} x {count}" for name, count in adapted_matrices(trainer.model).items()))
     return trainer, step_times
+
+
+def adapted_matrices(model) -> dict[str, int]:
+    """How many matrices of each name LoRA adapts (q_proj x 2, w1 x 16, gate.weight x 2 ...): nothing left out unseen."""
+    from collections import Counter
+
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    counts = Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            counts[f"{name.rsplit('.', 1)[-1]}.{module.parameter_name}"] += 1
+        elif isinstance(module, LoraLayer):
+            counts[name.rsplit(".", 1)[-1]] += 1
+    return dict(sorted(counts.items()))
 
 
 def write_failure(err: BaseException, output_dir: str) -> str | None:

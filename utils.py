@@ -229,12 +229,13 @@ def load_causal_lm(name_or_path: str, **kwargs):
 
 def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: torch.dtype, attention: str,
                 device_map: dict | None = None, weights_from_rank0: bool = False, device: torch.device | None = None,
-                trust_remote_code: bool = False, token: str | None = None):
+                trust_remote_code: bool = False, token: str | None = None, place_on: str | None = None):
     """The base model as the configuration says (configuration.settle decides dtype, attention and placement).
 
     `weights_from_rank0`: a sharded run in which rank 0 alone reads the checkpoint (device_map cpu) and the other ranks
     build on the meta device (device_map meta); sharding.receive_from_rank0 then sends what no engine carries, with
-    the quantization state placed on `device`, the training device."""
+    the quantization state placed on `device`, the training device. `place_on`: where the model moves once loaded and
+    its experts split on the host (a 4-bit mixture of experts on one GPU)."""
     if attention in (ATTENTION, EAGER_ATTENTION):
         register_attention(attention)
     quantization_config = build_quantization_config(model_args)
@@ -255,6 +256,8 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
 
     if moe.fused_experts(model):  # before the 4-bit state is sent: the split experts are 4-bit layers too
         moe.split_experts(model, quantization_config)
+    if place_on is not None:  # loaded (and quantized) on the host first
+        model.to(place_on)
     if weights_from_rank0:
         from sharding import receive_from_rank0
 
@@ -290,12 +293,18 @@ def zero3_config_hidden(hide: bool):
         hf_deepspeed.set_hf_deepspeed_config(reference())
 
 
-def build_peft_config(model_args, added_token_ids: list[int]):
+def build_peft_config(model_args, added_token_ids: list[int], model=None):
+    """LoRA as the arguments say; with --lora_router, each MoE router's weight of `model` too (a parameter, not a
+    linear module: PEFT's target_parameters)."""
     from peft import LoraConfig
+
+    import moe
 
     if not model_args.use_peft_lora:
         return None
+    routers = moe.router_weights(model) if model is not None and model_args.lora_router else []
     return LoraConfig(
+        target_parameters=routers or None,
         r=model_args.lora_r,
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,

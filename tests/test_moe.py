@@ -1,0 +1,190 @@
+"""Mixtures of experts (moe.py): tiny random Mixtral, Qwen3-MoE and gpt-oss models. The split experts compute what
+the fused ones compute, their 4-bit form is bitsandbytes NF4 as the attention's is, LoRA adapts every expert and not
+the router, the adapter loads onto the stock transformers model, and each family trains with train.py."""
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_run_args
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+import moe
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=512)
+FAMILIES = {  # each routes 2 of its experts per token
+    "mixtral": lambda **ids: transformers.MixtralConfig(**COMMON, **ids, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda **ids: transformers.Qwen3MoeConfig(**COMMON, **ids, moe_intermediate_size=64, num_experts=8,
+                                                           num_experts_per_tok=2),
+    "gpt_oss": lambda **ids: transformers.GptOssConfig(**{**COMMON, "intermediate_size": 64}, **ids,
+                                                       num_local_experts=4, num_experts_per_tok=2),
+}
+EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+                "gpt_oss": ("gate_proj", "up_proj", "down_proj")}
+EXPERTS = {"mixtral": 4, "qwen3_moe": 8, "gpt_oss": 4}
+FOUR_BIT = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                              bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=torch.bfloat16)
+
+
+def tiny_moe(family: str, vocab_size: int = 300, dtype=torch.float32, **ids):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](vocab_size=vocab_size, **ids), dtype=dtype)
+    with torch.no_grad():  # the experts and biases start at zero or tiny: give them a trained model's scale
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 3 or name.endswith("bias"):
+                parameter.normal_(std=0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_split_experts_compute_what_the_fused_experts_compute(family):
+    fused = tiny_moe(family)
+    split = copy.deepcopy(fused)
+    counts = moe.split_experts(split)
+    assert counts == {name: 2 * EXPERTS[family] for name in EXPERT_NAMES[family]}  # 2 layers
+    assert not moe.fused_experts(split) and isinstance(split.model.layers[0].mlp.experts, moe.ExpertLinears)
+    ids = torch.randint(0, 300, (2, 16))
+    want, got = fused(ids).logits, split(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for layer in range(2):
+        fused_grad = fused.model.layers[layer].mlp.experts.down_proj.grad
+        split_grads = [getattr(expert, EXPERT_NAMES[family][2]).weight.grad for expert in
+                       split.model.layers[layer].mlp.experts]
+        if family == "gpt_oss":  # x @ W: the linear weight is the transpose
+            split_grads = [g.t() if g is not None else None for g in split_grads]
+        for e, grad in enumerate(split_grads):  # an expert no token reached has no gradient in either
+            torch.testing.assert_close(grad if grad is not None else torch.zeros_like(fused_grad[e]), fused_grad[e],
+                                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_4bit_experts_are_nf4_like_the_attention(family, tmp_path):
+    """Under QLoRA each expert matrix is a bitsandbytes Linear4bit (NF4, nested constants, bf16 storage: what FSDP and
+    ZeRO-3 shard), computing exactly what its dequantized weight computes, as far from the 16-bit expert as the
+    attention's 4-bit projections are from theirs."""
+    import bitsandbytes as bnb
+
+    original = tiny_moe(family, dtype=torch.bfloat16)
+    original.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=FOUR_BIT, dtype=torch.bfloat16)
+    moe.split_experts(model, FOUR_BIT)
+    layer, reference = model.model.layers[0], original.model.layers[0]
+
+    def relative_error(module: torch.nn.Module, weight: torch.Tensor, bias=None) -> float:
+        x = torch.randn(32, weight.shape[1], dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+        want = torch.nn.functional.linear(x, weight, bias).float()
+        return ((module(x).float() - want).norm() / want.norm()).item()
+
+    expert = layer.mlp.experts[1]
+    gate = getattr(expert, EXPERT_NAMES[family][0])
+    assert isinstance(gate, bnb.nn.Linear4bit) and isinstance(gate.weight, bnb.nn.Params4bit)
+    assert gate.weight.dtype == torch.bfloat16 and gate.weight.quant_state.nested and gate.weight.quant_type == "nf4"
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    dequantized = bnb.functional.dequantize_4bit(gate.weight.data, gate.weight.quant_state)
+    torch.testing.assert_close(gate(x), torch.nn.functional.linear(x, dequantized, gate.bias), rtol=0, atol=0)
+
+    fused = reference.mlp.experts
+    if family == "gpt_oss":
+        w16, b16 = fused.gate_up_proj[1].t()[0::2], fused.gate_up_proj_bias[1][0::2]
+    else:
+        w16, b16 = fused.gate_up_proj[1, :128], None
+    expert_error = relative_error(gate, w16, b16)
+    attention_error = relative_error(layer.self_attn.q_proj, reference.self_attn.q_proj.weight,
+                                     reference.self_attn.q_proj.bias)
+    assert isinstance(layer.self_attn.q_proj, bnb.nn.Linear4bit)
+    assert 0 < expert_error < 2 * attention_error, (expert_error, attention_error)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lora_adapts_every_expert_not_the_router_and_the_adapter_loads_onto_the_stock_model(family, tmp_path):
+    """all-linear reaches each expert's three matrices and no router; Mixtral's and Qwen3-MoE's adapter (named as
+    their transformers 4 checkpoints named the experts) loads onto the stock, fused transformers 5 model through
+    PEFT's own conversion, to the same logits. gpt-oss was fused from its first release: its adapter loads onto a model
+    split the same way."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from train import adapted_matrices
+
+    tiny_moe(family).save_pretrained(tmp_path / "base")
+    split = tiny_moe(family)
+    moe.split_experts(split)
+    model = get_peft_model(split, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    counts = adapted_matrices(model)
+    assert counts == {**{name: 2 for name in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                      **{name: 2 * EXPERTS[family] for name in EXPERT_NAMES[family]}}, counts
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        want = model(ids).logits
+    model.save_pretrained(tmp_path / "adapter")
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    if family == "gpt_oss":
+        moe.split_experts(base)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    if family != "gpt_oss":
+        assert moe.fused_experts(loaded)  # the stock model, its experts adapted through target_parameters
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+
+
+def test_router_is_adapted_only_when_asked():
+    from peft import get_peft_model
+
+    from arguments import ModelArguments
+    from train import adapted_matrices
+    from utils import build_peft_config
+
+    split = tiny_moe("mixtral")
+    moe.split_experts(split)
+    config = build_peft_config(ModelArguments(lora_router=True), [], split)
+    assert config.target_parameters == ["mlp.gate.weight"]
+    assert adapted_matrices(get_peft_model(split, config))["gate.weight"] == 2
+
+
+def test_a_fused_layout_the_recipe_cannot_split_is_refused_with_the_fix():
+    model = tiny_moe("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    experts.register_parameter("gate_up_proj_bias", torch.nn.Parameter(torch.zeros(4, 256)))  # a layout it does not know
+    with pytest.raises(ValueError, match="lora_target_modules q_proj,k_proj,v_proj,o_proj"):
+        moe.split_experts(model)
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory, smol_tokenizer):
+    """Each family with SmolLM2's vocabulary and tokenizer, saved as a checkpoint."""
+    dirs = {}
+    for family in FAMILIES:
+        out = tmp_path_factory.mktemp(family)
+        tiny_moe(family, vocab_size=len(smol_tokenizer), bos_token_id=smol_tokenizer.bos_token_id,
+                 eos_token_id=smol_tokenizer.eos_token_id, pad_token_id=smol_tokenizer.pad_token_id).save_pretrained(out)
+        smol_tokenizer.save_pretrained(out)
+        dirs[family] = out
+    return dirs
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family, method", [("mixtral", "qlora"), ("qwen3_moe", "lora"), ("gpt_oss", "qlora")])
+def test_each_family_trains_in_one_process(family, method, moe_dirs, chat_dir, tmp_path, capsys):
+    import train
+
+    out = tmp_path / "out"
+    extra = ["--use_4bit_quantization", "true", "--use_nested_quant", "true"] if method == "qlora" else []
+    train.run(tiny_run_args(moe_dirs[family], chat_dir, out, "--max_steps", "3", *extra))
+    printed = capsys.readouterr().out
+    assert "LoRA adapts: " in printed and f"{EXPERT_NAMES[family][0]} x {2 * EXPERTS[family]}" in printed
+    assert "router = not adapted" in printed and "load-balancing loss = coefficient" in printed
+    summary = json.loads((out / "run_summary.json").read_text())
+    losses = [entry["loss"] for entry in summary["log_history"] if "loss" in entry]
+    assert len(losses) == 3 and all(loss == loss for loss in losses)
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert set(EXPERT_NAMES[family]) <= set(adapter["target_modules"])
+    assert any("aux_loss" in entry for entry in summary["log_history"])  # TRL adds and logs the router's loss
