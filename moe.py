@@ -202,3 +202,14 @@ def router_weights(model: nn.Module) -> list[str]:
     names = {f"{name.split('.')[-2]}.{name.split('.')[-1]}.weight" for name, module in model.named_modules()
              if type(module).__name__.endswith("Router") and isinstance(getattr(module, "weight", None), nn.Parameter)}
     return sorted(names)
+
+
+def mark_zero3_leaves(model: nn.Module) -> int:
+    """Each MoE layer's experts as one ZeRO-3 leaf (DeepSpeed's set_z3_leaf_modules): their parameters are gathered
+    whole on entry, on every rank, so no rank waits in an all-gather for an expert its tokens never reached while
+    another rank's did. Returns how many layers were marked."""
+    if not any(isinstance(module, ExpertLinears) for module in model.modules()):
+        return 0
+    from deepspeed.utils import set_z3_leaf_modules
+
+    return len(set_z3_leaf_modules(model, [ExpertLinears]))

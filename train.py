@@ -34,6 +34,7 @@ from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
 from fast_paths import score_labelled_positions_only
 from memory import PhasePeaks, return_freed_memory
+from moe import mark_zero3_leaves
 from report import TRAINING_KEYS, write_run_report
 from sharding import gather_adapter, hand_to_the_engine, save_fsdp1_adapter, zero3_config
 from training_data import DataError, TrainingData, prepare, summarize
@@ -250,6 +251,8 @@ def build_trainer(config: Configuration, model, data: TrainingData):
     if config.uses_peft and config.base_model_id:  # what adapter_config.json records: not a path on this disk
         for peft_config in trainer.model.peft_config.values():
             peft_config.base_model_name_or_path = config.base_model_id
+    if config.launch.zero_stage == 3:
+        mark_zero3_leaves(trainer.model)  # before DeepSpeed sets its hooks (engine start or partition_from_rank0)
     if config.weights_from_rank0:  # the engine broadcasts rank 0's weights (sharding.py)
         hand_to_the_engine(trainer.model, zero3_config() if config.launch.zero_stage == 3 else None,
                            config.training.device)

@@ -21,6 +21,7 @@ from conftest import PROBE  # noqa: E402
 
 
 def main() -> None:
+    reached = record_routing()
     trainer, _ = train.run(sys.argv[1:])
     model, rank = trainer.model, int(os.environ["RANK"])  # ZeRO-3: the module inside DeepSpeed's engine
     out = Path(trainer.args.output_dir)
@@ -35,6 +36,7 @@ def main() -> None:
         "fsdp2_param_dtype": str(model._get_fsdp_state()._mp_policy.param_dtype) if isinstance(model, FSDPModule)
         else None,  # what FSDP2 casts each gathered parameter to (None: kept as stored)
         "log_history": trainer.state.log_history,
+        "experts_reached": reached,
     }
     batch = trainer.processing_class([PROBE], return_tensors="pt").to(trainer.accelerator.device)
     with torch.no_grad():
@@ -43,6 +45,25 @@ def main() -> None:
         torch.save(logits.float().cpu(), out / "sharded_logits.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     torch.save(four_bit_layers(model), out / f"rank{rank}_4bit.pt")
+
+
+def record_routing() -> dict[int, list[list[int]]]:
+    """For each MoE layer of this rank (moe.ExpertLinears, in order of first call), the experts each training forward
+    routed tokens to."""
+    import moe
+
+    reached: dict[int, list[list[int]]] = {}
+    order: dict[int, int] = {}
+    original = moe.ExpertLinears.forward
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.training:
+            layer = order.setdefault(id(self), len(order))
+            reached.setdefault(layer, []).append(sorted(set(top_k_index.flatten().tolist())))
+        return original(self, hidden_states, top_k_index, top_k_weights)
+
+    moe.ExpertLinears.forward = forward
+    return reached
 
 
 def shard_sizes(model) -> dict:
