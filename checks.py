@@ -110,6 +110,23 @@ def has_attention_sinks(model) -> bool:
     return any(name.endswith(".sinks") for name, _ in model.named_parameters())
 
 
+def mxfp4_checkpoint(s: Configuration) -> Problem | None:
+    """gpt-oss ships its experts in MXFP4 (blocks and scales): the recipe trains 16-bit weights, and quantizes them
+    to NF4 itself under QLoRA."""
+    quantization = getattr(s.facts.model_config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization,
+                                                                                             "quant_method", None)
+    if str(method).lower().removeprefix("quantizationmethod.") != "mxfp4":
+        return None
+    name = s.model.model_name_or_path
+    return Problem("error", f"{name} stores its experts in MXFP4", "the recipe trains from 16-bit weights (and "
+                   "quantizes them to NF4 itself with --use_4bit_quantization)", "use the bf16 release (for "
+                   "gpt-oss-20b: unsloth/gpt-oss-20b-BF16), or dequantize once: python -c \"from transformers import "
+                   f"AutoModelForCausalLM, Mxfp4Config; AutoModelForCausalLM.from_pretrained('{name}', "
+                   "quantization_config=Mxfp4Config(dequantize=True), dtype='bfloat16').save_pretrained("
+                   f"'{Path(name).name}-bf16')\" and train from that folder")
+
+
 def flash_attention(s: Configuration) -> Problem | None:
     if not s.model.use_flash_attn or not s.facts.here:
         return None
@@ -406,7 +423,7 @@ def host_ram_by_phase(s: Configuration) -> Problem | None:
 
 
 RULES: list[Callable[[Configuration], Problem | None]] = [
-    model_source, tokenizer_builds, dataset_source, flash_attention, bf16_support, fp16_without_gpu,
+    model_source, tokenizer_builds, dataset_source, mxfp4_checkpoint, flash_attention, bf16_support, fp16_without_gpu,
     quant_storage_dtype, fsdp2_mixed_precision_casts_4bit, eight_bit_with_fsdp, bnb_optimizer_with_fsdp,
     qlora_fsdp_loading, ram_efficient_without_sync, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,

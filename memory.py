@@ -84,14 +84,17 @@ class Shapes:
     lora_per_rank: int  # LoRA parameters per unit of rank over those linear modules (r * (in + out) each)
     largest_layer: int  # parameters of one decoder layer (what FSDP gathers at a time)
     largest_linear: int  # the biggest linear weight (dequantized whole for each 4-bit matmul)
-    layer_linears: tuple[tuple[int, int], ...]  # (in, out) of each linear module of one decoder layer
+    layer_linears: tuple[tuple[int, int], ...]  # (in, out) of each linear one token passes in a decoder layer
     num_layers: int
     hidden: int
-    intermediate: int
+    intermediate: int  # feed-forward width per token (a mixture of experts: the routed experts' together)
     kv_dim: int
     vocab: int
     heads: int = 1  # attention heads (what eager attention's score matrices scale with)
     softcap: bool = False  # the final logits are softcapped (Gemma-2): the loss's backward keeps more per tile
+    experts: int = 0  # a mixture of experts: experts per MoE layer, and how many each token is routed to
+    experts_per_token: int = 0
+    expert_linear: int = 0  # of `linear`, the experts' weights (loaded in 16 bits before moe.py splits them)
 
     @property
     def outside_layers(self) -> int:
@@ -105,10 +108,30 @@ class Shapes:
 
     @classmethod
     def of(cls, config, model=None) -> Shapes:
-        """Read off `model`, the meta model of `config` (built here when not given)."""
+        """Read off `model`, the meta model of `config` (built here when not given), its experts split into linear
+        modules as a run splits them (moe.py)."""
+        from moe import ExpertLinears, fused_experts, split_experts
+
         model = model if model is not None else meta_model(config)
+        if fused_experts(model):
+            split_experts(model)
         layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
         linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+        expert_lists = [m for m in model.modules() if isinstance(m, ExpertLinears)]
+        in_experts = {id(m) for experts in expert_lists for m in experts.modules()}
+        k = getattr(config, "num_experts_per_tok", 0) if expert_lists else 0
+        # What one token passes through in a decoder layer (the first with experts): every linear outside the experts,
+        # and the routed experts' linears, k of them
+        layer = next((layer for layer in layers if any(isinstance(m, ExpertLinears) for m in layer.modules())),
+                     layers[0])
+        per_token = [(m.in_features, m.out_features) for m in layer.modules()
+                     if isinstance(m, torch.nn.Linear) and id(m) not in in_experts]
+        intermediate = config.intermediate_size
+        if expert_lists:
+            expert = [m for m in expert_lists[0][0].modules() if isinstance(m, torch.nn.Linear)]
+            per_token += [(m.in_features, m.out_features) for m in expert] * k
+            shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+            intermediate = k * min(m.in_features for m in expert if m.out_features == config.hidden_size) + shared
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
@@ -117,15 +140,17 @@ class Shapes:
             lora_per_rank=sum(m.in_features + m.out_features for m in linears),
             largest_layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
             largest_linear=max(m.weight.numel() for m in linears),
-            layer_linears=tuple((m.in_features, m.out_features) for m in layers[0].modules()
-                                if isinstance(m, torch.nn.Linear)),
+            layer_linears=tuple(per_token),
             num_layers=len(layers),
             hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
+            intermediate=intermediate,
             kv_dim=getattr(config, "num_key_value_heads", heads) * head_dim,
             vocab=config.vocab_size,
             heads=heads,
             softcap=getattr(config, "final_logit_softcapping", None) is not None,
+            experts=len(expert_lists[0]) if expert_lists else 0,
+            experts_per_token=k,
+            expert_linear=sum(m.weight.numel() for m in linears if id(m) in in_experts),
         )
 
 
@@ -229,6 +254,11 @@ def plan(shapes: Shapes, run: Run) -> Plan:
     else:
         weights = shapes.total * weight_bytes
         p.assumptions.append(f"weights in {run.precision}")
+    if shapes.experts:
+        p.assumptions.append(f"mixture of experts: {shapes.experts} experts per layer, each token routed to "
+                             f"{shapes.experts_per_token}: weights and adapters count every expert, activations the "
+                             "routed ones" + ("; the load holds the fused experts in 16 bits on the host until moe.py "
+                                              "has quantized them" if run.method == "qlora" else ""))
     trainable = shapes.total if run.method == "full" else shapes.lora_per_rank * run.lora_r
     # PEFT keeps LoRA weights in fp32 (TRL casts them to bf16 on a quantized model); a full fine-tune trains bf16.
     train_bytes = 2 if run.method == "qlora" or (run.method == "full" and weight_bytes == 2) else 4
@@ -347,6 +377,8 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     checkpoint_bytes = getattr(torch, run.checkpoint_dtype).itemsize
     if qlora:
         reader += shapes.largest_linear * checkpoint_bytes  # one weight in checkpoint dtype while it is quantized
+        # a mixture of experts: transformers loads the fused experts in 16 bits; moe.py quantizes them afterwards
+        reader += shapes.expert_linear * weight_bytes
     fsdp_from_rank0 = run.engine == "fsdp" and run.weights_from_rank0 and n > 1
     zero3 = run.engine == "deepspeed" and run.zero_stage == 3 and n > 1
     gpu, rank0, other = 0.0, 0.0, 0.0
@@ -400,7 +432,9 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
                              "other ranks build on the meta device; DeepSpeed broadcasts and partitions one module at "
                              f"a time (the largest: {largest / GIB:.2f} GiB) (measured on 2 CPU processes)")
     else:  # every rank reads the whole model
-        if on_gpu and qlora:
+        if on_gpu and qlora and shapes.expert_linear:  # loaded and split on the host, then moved (configuration)
+            gpu, rank0 = base + adapter, reader
+        elif on_gpu and qlora:
             gpu, rank0 = base + adapter, shapes.largest_linear * checkpoint_bytes
         elif on_gpu:
             gpu, rank0 = base + adapter, reader

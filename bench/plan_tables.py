@@ -9,6 +9,7 @@
 - `launchers`: each run_*.sh, run by bash with a stand-in `accelerate` that records its command, planned for
   Llama-2-70B (its published config.json: fp16 checkpoint) on the launcher's hardware.
 - `qlora-64gb`: the host-RAM arithmetic of run_peft_qlora_fsdp.sh (FSDP1 + offload) from the same plan.
+- `gpt-oss-one-gpu`: gpt-oss-20b QLoRA on one 24 GB GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +60,9 @@ def model_row(model_dir: Path) -> str:
     config = configure(["--model_name_or_path", str(model_dir), *MODEL_FLAGS])
     plans = {on: memory_plan(config, checkpointing=on).per_gpu_total * ALLOCATOR_HEADROOM for on in (False, True)}
     plan = memory_plan(config)
-    errors = [str(problem) for problem in preflight(config) if problem.level == "error"]
+    # what each error is, without the machine's path to the folder
+    errors = [problem.what.replace(str(model_dir), model_dir.name) for problem in preflight(config)
+              if problem.level == "error"]
     verdict = "error: " + "; ".join(errors) if errors else "passed"  # as --check ends (config.json alone: no tokenizer)
     checkpointing = "on" if config.training.activation_checkpointing else "off"
     return (f"| {model_dir.name} | {config.attention} | {checkpointing} ({plans[False]:.1f} / {plans[True]:.1f}) | "
@@ -134,23 +138,43 @@ def qlora_64gb(model_dir: Path) -> str:
             "the final save gathered the full state dict.")
 
 
+def gpt_oss_one_gpu() -> str:
+    """gpt-oss-20b QLoRA on one 24 GB GPU (no accelerate config), one 2048-token row per step, as memory.py plans it."""
+    from memory import ALLOCATOR_HEADROOM, Run, Shapes, load_config, plan
+
+    shapes = Shapes.of(load_config(str(REPO / "configs" / "models" / "gpt-oss-20b")))
+    run = Run(method="qlora", engine="none", gpus=1, batch=1, seq=2048, eager_attention=True, lora_r=16,
+              lora_dropout=0.0, nested_quant=True)
+    without, with_ = (plan(shapes, replace(run, checkpointing=on)) for on in (False, True))
+    reserved = with_.per_gpu_total * ALLOCATOR_HEADROOM
+    return (f"**gpt-oss-20b on one 24 GB GPU** (QLoRA with nested quantization, LoRA r=16 on attention and every "
+            "expert, 1 x 2048 tokens per step, activation checkpointing; `python memory.py --model "
+            "configs/models/gpt-oss-20b --method qlora --gpus 1 --batch 1 --seq 2048 --lora_r 16 --lora_dropout 0 "
+            f"--gpu_gib 24`): {with_.per_gpu_total:.1f} GiB allocated, about {reserved:.1f} reserved: "
+            f"{'fits' if reserved <= 24 else 'does not fit'} ({without.per_gpu_total * ALLOCATOR_HEADROOM:.0f} GiB "
+            f"without checkpointing); {with_.per_gpu['weights (frozen)']:.1f} GiB of it the 4-bit base. The host "
+            f"holds {with_.phases['load']['host rank 0']:.1f} GiB while loading (the experts in 16 bits until they "
+            "are split and quantized; then the model moves to the GPU). The published checkpoint's experts are MXFP4, "
+            "which the recipe refuses with the fix: train from the bf16 release, or dequantize once.")
+
+
 def blocks() -> dict[str, str]:
     with tempfile.TemporaryDirectory() as folder:
         model_dir = Path(folder) / "Llama-2-70b-hf"
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(LLAMA_2_70B))
         return {"models": models_table(), "launchers": launchers_table(model_dir),
-                "qlora-64gb": qlora_64gb(model_dir)}
+                "qlora-64gb": qlora_64gb(model_dir), "gpt-oss-one-gpu": gpt_oss_one_gpu()}
 
 
 def marked(name: str) -> re.Pattern:
     """README's block `name`: between `<!-- plan_tables.py: name -->` and `<!-- /plan_tables.py -->` lines."""
-    return re.compile(rf"(<!-- plan_tables\.py: {re.escape(name)} -->\n)(.*?)(\n<!-- /plan_tables\.py -->)", re.S)
+    return re.compile(rf"(<!-- plan_tables\.py: {re.escape(name)} -->\n)(.*?)(<!-- /plan_tables\.py -->)", re.S)
 
 
 def readme_block(name: str, text: str) -> str | None:
     found = marked(name).search(text)
-    return found.group(2) if found else None
+    return found.group(2).removesuffix("\n") if found else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, block in made.items():
         if readme_block(name, text) is None:
             sys.exit(f"README.md has no `<!-- plan_tables.py: {name} -->` ... `<!-- /plan_tables.py -->` block")
-        text = marked(name).sub(lambda found: found.group(1) + block + found.group(3), text)
+        text = marked(name).sub(lambda found: found.group(1) + block + "\n" + found.group(3), text)
     README.write_text(text)
     print(f"README.md: {', '.join(made)} rewritten")
 

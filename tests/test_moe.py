@@ -275,3 +275,42 @@ def test_two_processes_equal_one_process(case, moe_dirs, mixtral64_dir, chat_dir
             for name, layer in layers.items():
                 assert torch.equal(layer["weight"].view(torch.uint8), single[name].weight.data.view(torch.uint8))
                 assert torch.equal(layer["absmax"], single[name].quant_state.absmax), name
+
+
+def test_planner_counts_every_expert_for_memory_and_the_routed_ones_for_activations():
+    from memory import Shapes, load_config
+
+    shapes = Shapes.of(load_config(str(REPO_DIR / "configs" / "models" / "Mixtral-8x7B-v0.1")))
+    assert (shapes.experts, shapes.experts_per_token) == (8, 2)
+    assert shapes.expert_linear == 32 * 8 * 3 * 4096 * 14336  # every expert: 4-bit, adapted
+    assert shapes.linear == shapes.expert_linear + 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024)  # and the attention
+    assert len(shapes.layer_linears) == 4 + 2 * 3 and shapes.intermediate == 2 * 14336  # a token meets 2 experts
+
+
+@pytest.mark.parametrize("model", ["Mixtral-8x7B-v0.1", "Qwen3-30B-A3B"])
+def test_moe_qlora_on_two_24gb_gpus_plans_under_20_gib_per_gpu(model):
+    """The shipped 2 x 24 GB QLoRA config, as the README's verdict table plans it."""
+    from memory import ALLOCATOR_HEADROOM
+
+    from checks import preflight
+    from configuration import configure, memory_plan
+
+    config = configure(["--model_name_or_path", str(REPO_DIR / "configs" / "models" / model), "--check",
+                        "--accelerate_config", "configs/fsdp2_config_qlora.yaml", "--gpu_gib", "24",
+                        "--use_4bit_quantization", "true", "--max_length", "2048",
+                        "--per_device_train_batch_size", "2", "--eval_num_prompts", "0"])
+    assert memory_plan(config).per_gpu_total * ALLOCATOR_HEADROOM < 20
+    assert not [problem for problem in preflight(config) if problem.level == "error" and "memory" in problem.what]
+
+
+def test_an_mxfp4_checkpoint_is_refused_with_the_fix():
+    from conftest import settled
+
+    from checks import mxfp4_checkpoint
+    from memory import load_config
+
+    config = settled(["--model_name_or_path", "openai/gpt-oss-20b"],
+                     model_config=load_config(str(REPO_DIR / "configs" / "models" / "gpt-oss-20b")))
+    problem = mxfp4_checkpoint(config)
+    assert problem.level == "error" and "MXFP4" in problem.what
+    assert "Mxfp4Config(dequantize=True)" in problem.fix and "gpt-oss-20b-BF16" in problem.fix
