@@ -115,7 +115,7 @@ def main() -> None:
 
     if args.model_name_or_path == DEFAULT_MODEL_DIR:
         convert_default_model()
-    raw, _, _ = load_splits(args.dataset_name, [args.split])
+    raw, _, _, _ = load_splits(args.dataset_name, [args.split])
     heldout = heldout_examples(raw[args.split], args.num_prompts)
     if heldout is None:
         raise SystemExit(f"error: the {args.split} split is plain text; exact match needs chat or prompt/completion data.")

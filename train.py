@@ -169,6 +169,8 @@ def load_data(config: Configuration) -> TrainingData:
             f"instead), first: {data.truncated[0]}")
     if data.skipped:
         log(f"skipped {len(data.skipped)} bad examples ({summarize(data.skipped)}), first: {data.skipped[0]}")
+    if data.conversion:
+        log(f"data converted: {data.conversion}")
     log(f"data: {data_args.dataset_name} ({data.data_format}), "
         + ", ".join(f"{split} {len(ds)} examples" for split, ds in data.datasets.items())
         + f"; training on {data.counts['examples']} examples, {data.counts['tokens']} tokens "

@@ -4,7 +4,9 @@ padding-free batches need before TRL sees the data.
 - Sources: a Hub dataset (offline: from the cache), a folder of `train`/`test`/`validation` files (`.jsonl`, `.json`,
   `.csv`, `.parquet`), a single such file (train only), or a `save_to_disk` folder.
 - Formats: conversational (`messages`), prompt/completion, plain text. Chat data is supervised on the assistant turns
-  only, with any chat template: the turns are located by rendering each conversation's prefixes.
+  only, with any chat template: the turns are located by rendering each conversation's prefixes. Two common shapes
+  become chat messages as they load (CONVERSIONS): ShareGPT (`conversations` of `from`/`value`) and Alpaca
+  (`instruction`, optional `input`, `output`).
 - Bad data is reported loudly: every malformed example is named by file and line (or row) with what is wrong. The run
   stops before any weights load (`--bad_examples stop`), or leaves them out and counts them by reason (`skip`).
 
@@ -93,6 +95,49 @@ def check_messages(messages, where: str) -> str | None:
     return None
 
 
+# ShareGPT's speakers as chat roles; any other speaker is a bad example, named with its line
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+CONVERSIONS = {  # source shape: (the columns that identify it, what the run prints about the mapping)
+    "sharegpt": ({"conversations"}, "ShareGPT conversations as chat messages: from/value -> role/content, human -> "
+                 "user, gpt -> assistant, system -> system"),
+    "alpaca": ({"instruction", "output"}, "Alpaca as chat messages: instruction (+ a blank line and input, when not "
+               "empty) -> user, output -> assistant"),
+}
+
+
+def sharegpt_messages(row: dict) -> tuple[list[dict] | None, str | None]:
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        return None, "conversations is not a non-empty list of turns"
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            return None, f"conversations[{i}] lacks from or value"
+        role = SHAREGPT_ROLES.get(turn["from"])
+        if role is None:
+            return None, (f"conversations[{i}] is from {turn['from']!r}, which has no chat role (known: "
+                          f"{', '.join(sorted(SHAREGPT_ROLES))})")
+        messages.append({"role": role, "content": turn["value"]})
+    return messages, None
+
+
+def alpaca_messages(row: dict) -> tuple[list[dict] | None, str | None]:
+    instruction, extra, output = row.get("instruction"), row.get("input") or "", row.get("output")
+    if not isinstance(instruction, str) or not instruction.strip():
+        return None, "instruction is missing, empty or not text"
+    if not isinstance(extra, str) or not isinstance(output, str):
+        return None, "input or output is not text"
+    prompt = instruction + (f"\n\n{extra}" if extra.strip() else "")
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}], None
+
+
+def as_messages(row: dict, source_format: str) -> tuple[dict, str | None]:
+    """A ShareGPT or Alpaca row as a chat row (`messages`, its origin kept), or the row and what is wrong with it."""
+    convert = sharegpt_messages if source_format == "sharegpt" else alpaca_messages
+    messages, problem = convert(row)
+    return ({"messages": messages, ORIGIN: row[ORIGIN]}, None) if messages is not None else (row, problem)
+
+
 def check_example(row: dict, data_format: str, text_field: str) -> str | None:
     """What is wrong with one raw example, or None."""
     if data_format == "conversational":
@@ -177,7 +222,7 @@ def load_splits(dataset_name: str, splits: list[str], text_field: str = "text", 
     if source.is_file() and splits != ["train"]:
         raise ValueError(f"{source} is a single file, read as the train split; pass --splits train, or point "
                          "--dataset_name to a folder holding train.jsonl and test.jsonl.")
-    out, bad, data_format = DatasetDict(), [], None
+    out, bad, data_format, source_format = DatasetDict(), [], None, None
     for split in splits:
         rows, unreadable = _read_split(source, split, dataset_name, token)
         bad += unreadable
@@ -186,12 +231,16 @@ def load_splits(dataset_name: str, splits: list[str], text_field: str = "text", 
             rows = [{**row, ORIGIN: f"{name}:{split}[row {i}]"} for i, row in enumerate(rows)]
         if data_format is None:
             keys = sorted({key for row in rows[:100] for key in row} - {ORIGIN})
-            data_format = detect_format(keys, text_field)
+            source_format = detect_format(keys, text_field)
+            data_format = "conversational" if source_format in CONVERSIONS else source_format
         columns = {"conversational": ["messages"], "prompt_completion": ["prompt", "completion"],
                    "text": [text_field]}[data_format]
         good = []
         for row in rows:
-            problem = check_example(row, data_format, text_field)
+            problem = None
+            if source_format in CONVERSIONS:
+                row, problem = as_messages(row, source_format)
+            problem = problem or check_example(row, data_format, text_field)
             if problem:
                 bad.append(BadExample(row[ORIGIN], problem))
                 continue
@@ -202,20 +251,25 @@ def load_splits(dataset_name: str, splits: list[str], text_field: str = "text", 
             raise ValueError(f"the {split} split has no usable example ({len(rows)} read); "
                              + (f"first problem: {bad[0]}" if bad else "it is empty"))
         out[split] = Dataset.from_list(good)
-    return out, bad, data_format
+    return out, bad, data_format, source_format
 
 
 def detect_format(column_names: list[str], text_field: str) -> str:
-    """conversational (`messages`), prompt_completion (`prompt` + `completion`), or text (`text_field`)."""
+    """conversational (`messages`), prompt_completion (`prompt` + `completion`), text (`text_field`), or a shape
+    converted to chat messages as it loads: sharegpt (`conversations`), alpaca (`instruction` + `output`)."""
     if "messages" in column_names:
         return "conversational"
     if "prompt" in column_names and "completion" in column_names:
         return "prompt_completion"
+    for source_format, (columns, _) in CONVERSIONS.items():
+        if columns <= set(column_names):
+            return source_format
     if text_field in column_names:
         return "text"
     raise ValueError(
         f"the dataset has columns {column_names}, none of which the recipe reads; give it a `messages` column (chat), "
-        f"`prompt` and `completion` columns, or a text column named by --dataset_text_field (now {text_field!r})."
+        "`prompt` and `completion` columns, ShareGPT `conversations`, Alpaca `instruction`/`input`/`output`, or a "
+        f"text column named by --dataset_text_field (now {text_field!r})."
     )
 
 
@@ -333,6 +387,12 @@ class TrainingData:
     counts: dict  # examples, tokens and supervised tokens of the train split
     skipped: list[BadExample]  # bad examples left out (--bad_examples skip, --long_examples skip)
     truncated: list[BadExample] = field(default_factory=list)  # trained cut to --max_length (--long_examples truncate)
+    converted_from: str | None = None  # sharegpt / alpaca: the shape the rows had before they became chat messages
+
+    @property
+    def conversion(self) -> str | None:
+        """What the rows' conversion to chat messages did, for the run's log."""
+        return CONVERSIONS[self.converted_from][1] if self.converted_from else None
 
 
 def prepare(dataset_name: str, splits: list[str], tokenizer, *, max_length: int | None, truncate: bool,
@@ -341,7 +401,7 @@ def prepare(dataset_name: str, splits: list[str], tokenizer, *, max_length: int 
             token: str | None = None) -> TrainingData:
     """Load, check and tokenize. Raises DataError naming every malformed example under `bad_examples="stop"` and
     every example truncation would cut under `long_examples="stop"`; ValueError for a source or format problem."""
-    raw, malformed, data_format = load_splits(dataset_name, splits, text_field, token)
+    raw, malformed, data_format, source_format = load_splits(dataset_name, splits, text_field, token)
     tokenized, long = tokenize_splits(raw, data_format, tokenizer, max_length=max_length, truncate=truncate,
                                       text_field=text_field, add_special_tokens=add_special_tokens,
                                       append_concat_token=append_concat_token)
@@ -351,4 +411,5 @@ def prepare(dataset_name: str, splits: list[str], tokenizer, *, max_length: int 
     left_out = malformed + (long if long_examples == "skip" else [])
     datasets = drop_bad(tokenized, left_out)
     return TrainingData(raw, datasets, data_format, token_counts(datasets["train"]), left_out,
-                        long if long_examples == "truncate" else [])
+                        long if long_examples == "truncate" else [],
+                        source_format if source_format in CONVERSIONS else None)

@@ -138,7 +138,7 @@ def recipe_examples(smol_tokenizer):
     from training_data import drop_bad, load_splits, tokenize_splits
 
     def tokenize(source: Path, n: int) -> list[dict]:
-        raw, _, data_format = load_splits(str(source), ["train"])
+        raw, _, data_format, _ = load_splits(str(source), ["train"])
         raw["train"] = raw["train"].select(range(n))
         tokenized, _ = tokenize_splits(raw, data_format, smol_tokenizer, max_length=512, truncate=True)
         return list(drop_bad(tokenized, [])["train"])

@@ -28,7 +28,7 @@ def write(path, lines):
 
 
 def load(path, max_length=512, tokenizer=None):
-    raw, bad, data_format = load_splits(str(path), ["train"])
+    raw, bad, data_format, _ = load_splits(str(path), ["train"])
     if tokenizer is not None:
         _, cut = tokenize_splits(raw, data_format, tokenizer, max_length=max_length, truncate=True)
         bad += cut

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_run_args
 
 from training_data import IGNORE_INDEX, detect_format, load_splits, tokenize_example, tokenize_splits
 from arguments import ModelArguments
@@ -89,6 +90,7 @@ def test_add_special_tokens_adds_what_the_tokenizer_adds(smol_tokenizer):
 
 @pytest.mark.parametrize("columns, expected", [
     (["messages"], "conversational"), (["prompt", "completion"], "prompt_completion"), (["text", "id"], "text"),
+    (["conversations", "id"], "sharegpt"), (["input", "instruction", "output"], "alpaca"),
 ])
 def test_format_detection(columns, expected):
     assert detect_format(columns, "text") == expected
@@ -101,6 +103,60 @@ def test_missing_column_names_the_columns_and_the_flag():
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+SHAREGPT = [{"id": "a", "conversations": [{"from": "system", "value": "Answer with a date."},
+                                          {"from": "human", "value": "When?"}, {"from": "gpt", "value": "2019-02-15"},
+                                          {"from": "human", "value": "And then?"},
+                                          {"from": "gpt", "value": "2019-02-16"}]},
+            {"id": "b", "conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}]},
+            {"id": "c", "conversations": [{"from": "human", "value": "hi"}]}]
+ALPACA = [{"instruction": "Give the date.", "input": "In ISO form.", "output": "2019-02-15"},
+          {"instruction": "Give the year.", "input": "", "output": "2019"},
+          {"instruction": "", "input": "", "output": "x"}]
+
+
+def test_sharegpt_rows_become_chat_messages_and_bad_rows_are_named_by_line(tmp_path, smol_tokenizer):
+    write_jsonl(tmp_path / "train.jsonl", SHAREGPT)
+    raw, bad, data_format, source = load_splits(str(tmp_path), ["train"])
+    assert (data_format, source) == ("conversational", "sharegpt")
+    assert raw["train"][0]["messages"] == [
+        {"role": "system", "content": "Answer with a date."}, {"role": "user", "content": "When?"},
+        {"role": "assistant", "content": "2019-02-15"}, {"role": "user", "content": "And then?"},
+        {"role": "assistant", "content": "2019-02-16"}]
+    assert [str(b) for b in bad] == [
+        "train.jsonl:2: conversations[1] is from 'bot', which has no chat role (known: assistant, gpt, human, system, "
+        "user)", "train.jsonl:3: no assistant turn: nothing to learn from"]
+    example = tokenize_example(raw["train"][0], smol_tokenizer, "conversational", "text", False, True)
+    supervised = smol_tokenizer.decode([t for t in example["labels"] if t != IGNORE_INDEX])
+    assert supervised == "2019-02-15<|im_end|>2019-02-16<|im_end|>"  # the gpt turns, nothing else
+
+
+def test_alpaca_rows_become_a_user_and_an_assistant_turn(tmp_path):
+    (tmp_path / "train.json").write_text(json.dumps(ALPACA))
+    raw, bad, data_format, source = load_splits(str(tmp_path), ["train"])
+    assert (data_format, source) == ("conversational", "alpaca")
+    assert [row["messages"] for row in raw["train"]] == [
+        [{"role": "user", "content": "Give the date.\n\nIn ISO form."}, {"role": "assistant", "content": "2019-02-15"}],
+        [{"role": "user", "content": "Give the year."}, {"role": "assistant", "content": "2019"}]]
+    assert [str(b) for b in bad] == ["train.json[2]: instruction is missing, empty or not text"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("shape", ["sharegpt", "alpaca"])
+def test_a_sharegpt_and_an_alpaca_file_each_train_a_step(shape, tiny_model_dir, tmp_path, capsys):
+    import train
+
+    path = tmp_path / ("data.jsonl" if shape == "sharegpt" else "data.json")
+    if shape == "sharegpt":
+        write_jsonl(path, SHAREGPT[:1] * 4)
+    else:
+        path.write_text(json.dumps(ALPACA[:2] * 2))
+    trainer, _ = train.run(tiny_run_args(tiny_model_dir, path, tmp_path / "out", "--splits", "train",
+                                         "--max_steps", "1"))
+    printed = capsys.readouterr().out
+    assert trainer.state.global_step == 1 and (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert f"data converted: {'ShareGPT' if shape == 'sharegpt' else 'Alpaca'}" in printed
 
 
 @pytest.mark.parametrize("layout", ["folder", "file", "csv", "parquet", "saved"])
@@ -127,7 +183,7 @@ def test_every_local_source_loads(tmp_path, layout):
     else:
         DatasetDict(train=Dataset.from_list(rows), test=Dataset.from_list(rows[:2])).save_to_disk(tmp_path / "saved")
         source = tmp_path / "saved"
-    raw, bad, data_format = load_splits(str(source), splits.split(","))
+    raw, bad, data_format, _ = load_splits(str(source), splits.split(","))
     assert list(raw) == splits.split(",") and bad == [] and data_format == "text"
     assert raw["train"]["text"] == [r["text"] for r in rows]
 
@@ -139,7 +195,7 @@ def test_missing_split_file_names_the_file(tmp_path):
 
 
 def test_special_token_flags_are_refused_for_chat_data(smol_tokenizer, chat_dir):
-    raw, _, data_format = load_splits(str(chat_dir), ["train"])
+    raw, _, data_format, _ = load_splits(str(chat_dir), ["train"])
     with pytest.raises(ValueError, match="--add_special_tokens true applies to text"):
         tokenize_splits(raw, data_format, smol_tokenizer, max_length=512, truncate=True, add_special_tokens=True)
 
