@@ -102,6 +102,15 @@ class Shapes:
         return self.total - self.num_layers * self.largest_layer
 
     @property
+    def active_linear(self) -> int:
+        """Linear weights one token passes through (a mixture of experts: its routed experts only): what FLOPs count."""
+        return self.num_layers * sum(d_in * d_out for d_in, d_out in self.layer_linears)
+
+    @property
+    def active_lora_per_rank(self) -> int:
+        return self.num_layers * sum(d_in + d_out for d_in, d_out in self.layer_linears)
+
+    @property
     def linear_inputs(self) -> int:
         """Input width summed over one layer's linear modules (what each LoRA branch re-reads)."""
         return sum(d_in for d_in, _ in self.layer_linears)

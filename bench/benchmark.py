@@ -113,13 +113,13 @@ def flops_per_token(model_dir: str, lora_r: int, shape: dict) -> float:
     """LoRA training FLOPs per token that the loss needs: 2W forward + 2W input-gradients over the decoder's weights W
     (frozen, so no weight gradients), 6 x LoRA weights (forward, input- and weight-gradients), the LM head's 2 x 2
     x vocab x hidden at the supervised positions only, and causal attention within each example (6 x layers x hidden x
-    context, forward and backward)."""
+    context, forward and backward). A mixture of experts counts the experts each token is routed to."""
     from memory import Shapes, load_config
 
     shapes = Shapes.of(load_config(model_dir))
     head = 4 * shapes.vocab * shapes.hidden * shape["supervised_fraction"]
     attention = 6 * shapes.num_layers * shapes.hidden * shape["mean_context"]
-    return 4 * shapes.linear + 6 * shapes.lora_per_rank * lora_r + head + attention
+    return 4 * shapes.active_linear + 6 * shapes.active_lora_per_rank * lora_r + head + attention
 
 
 def run(command: list[str], env: dict) -> dict:

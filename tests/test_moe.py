@@ -285,6 +285,21 @@ def test_planner_counts_every_expert_for_memory_and_the_routed_ones_for_activati
     assert shapes.expert_linear == 32 * 8 * 3 * 4096 * 14336  # every expert: 4-bit, adapted
     assert shapes.linear == shapes.expert_linear + 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024)  # and the attention
     assert len(shapes.layer_linears) == 4 + 2 * 3 and shapes.intermediate == 2 * 14336  # a token meets 2 experts
+    assert shapes.active_linear == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 2 * 3 * 4096 * 14336)  # FLOPs: 12.6 G
+
+
+def test_a_4bit_mixture_on_one_gpu_loads_on_the_host_and_moves_after_the_split():
+    """bitsandbytes quantizes linear layers only while placing them: the fused experts would reach the GPU in 16 bits
+    (gpt-oss-20b: 36 GiB), so the run loads on the host, splits and quantizes there, then moves."""
+    from conftest import settled
+
+    from distributed import Launch
+    from memory import load_config
+
+    config = settled(["--model_name_or_path", "openai/gpt-oss-20b", "--use_4bit_quantization", "true"], cuda=True,
+                     here=True, gpu_gib=24, launch=Launch({}, 1),
+                     model_config=load_config(str(REPO_DIR / "configs" / "models" / "Qwen3-30B-A3B")))
+    assert config.device_map == {"": "cpu"} and config.place_on == "cuda:0"
 
 
 @pytest.mark.parametrize("model", ["Mixtral-8x7B-v0.1", "Qwen3-30B-A3B"])
