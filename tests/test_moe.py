@@ -87,9 +87,13 @@ def test_4bit_experts_are_nf4_like_the_attention(family, tmp_path):
     gate = getattr(expert, EXPERT_NAMES[family][0])
     assert isinstance(gate, bnb.nn.Linear4bit) and isinstance(gate.weight, bnb.nn.Params4bit)
     assert gate.weight.dtype == torch.bfloat16 and gate.weight.quant_state.nested and gate.weight.quant_type == "nf4"
-    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
     dequantized = bnb.functional.dequantize_4bit(gate.weight.data, gate.weight.quant_state)
-    torch.testing.assert_close(gate(x), torch.nn.functional.linear(x, dequantized, gate.bias), rtol=0, atol=0)
+    out = gate(x)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, dequantized, gate.bias), rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(out.float().square().sum(), x)  # backward: through the same dequantized weight
+    want = torch.autograd.grad(torch.nn.functional.linear(x, dequantized, gate.bias).float().square().sum(), x)[0]
+    torch.testing.assert_close(grad, want, rtol=0, atol=0)
 
     fused = reference.mlp.experts
     if family == "gpt_oss":
