@@ -1,7 +1,7 @@
 """The README's memory figures, made by the planner (what `train.py --check` prints for each run), never by hand.
 
     .venv/bin/python bench/plan_tables.py           # prints the three README blocks
-    .venv/bin/python bench/plan_tables.py --write   # rewrites them in README.md, between their markers
+    .venv/bin/python bench/plan_tables.py --write   # rewrites them where they are (README.md, docs/), between markers
 
 - `models`: the verdict table for configs/models/, each as train.py settles QLoRA on 2 x 24 GB with
   configs/fsdp2_config_qlora.yaml, batch 2 x 2048, accumulation 4: the attention, the activation-checkpointing
@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-README = REPO / "README.md"
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # where the blocks may be
 MODEL_FLAGS = ["--check", "--accelerate_config", "configs/fsdp2_config_qlora.yaml", "--gpu_gib", "24",
                "--use_4bit_quantization", "true", "--max_length", "2048", "--per_device_train_batch_size", "2",
                "--gradient_accumulation_steps", "4", "--eval_num_prompts", "0"]
@@ -177,21 +177,31 @@ def readme_block(name: str, text: str) -> str | None:
     return found.group(2).removesuffix("\n") if found else None
 
 
+def written_block(name: str) -> tuple[Path, str] | None:
+    """The document that holds block `name`, and the block as written there."""
+    for document in DOCUMENTS:
+        block = readme_block(name, document.read_text())
+        if block is not None:
+            return document, block
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="rewrite the blocks in README.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks where they are written")
     args = parser.parse_args(argv)
     made = blocks()
     if not args.write:
         print("\n\n".join(f"<!-- {name} -->\n{text}" for name, text in made.items()))
         return
-    text = README.read_text()
     for name, block in made.items():
-        if readme_block(name, text) is None:
-            sys.exit(f"README.md has no `<!-- plan_tables.py: {name} -->` ... `<!-- /plan_tables.py -->` block")
-        text = marked(name).sub(lambda found: found.group(1) + block + "\n" + found.group(3), text)
-    README.write_text(text)
-    print(f"README.md: {', '.join(made)} rewritten")
+        found = written_block(name)
+        if found is None:
+            sys.exit(f"no document has a `<!-- plan_tables.py: {name} -->` ... `<!-- /plan_tables.py -->` block")
+        document = found[0]
+        text = marked(name).sub(lambda match: match.group(1) + block + "\n" + match.group(3), document.read_text())
+        document.write_text(text)
+        print(f"{document.relative_to(REPO)}: {name} rewritten")
 
 
 if __name__ == "__main__":

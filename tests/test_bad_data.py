@@ -89,7 +89,8 @@ def test_fuzz_random_corruptions_never_crash_without_a_clear_message(tmp_path, s
             return data[: rng.randrange(len(data))]  # truncated
         if kind == 1:
             position = rng.randrange(len(data))
-            return data[:position] + bytes([rng.randrange(256)]) + data[position + 1:]  # one random byte
+            byte = rng.choice([b for b in range(256) if b != 0x0A])  # a newline would split the line
+            return data[:position] + bytes([byte]) + data[position + 1:]  # one random byte
         row = json.loads(line)
         if kind == 2:
             row["messages"][rng.randrange(2)]["role"] = rng.choice(["bot", "", None, 3])
@@ -107,14 +108,18 @@ def test_fuzz_random_corruptions_never_crash_without_a_clear_message(tmp_path, s
         lines = [corrupt(line) if rng.random() < 0.3 else line.encode() for line in valid]
         path = tmp_path / f"fuzz{trial}.jsonl"
         write(path, lines)
+        numbers = {n for n, line in enumerate(lines, start=1) if line.strip()}  # a blank line is no example
+        clean = {n for n, line in enumerate(lines, start=1) if line == valid[n - 1].encode()}
         try:
             raw, bad = load(path, tokenizer=smol_tokenizer)
-        except ValueError as err:  # e.g. no usable example left, or an unreadable column set: named, not a crash
-            assert "split" in str(err) or "columns" in str(err), err
+        except ValueError as err:  # no usable example left: only where every line was corrupted
+            assert not clean and "no usable example" in str(err), err
             continue
-        assert len(raw["train"]) + len(bad) <= len(lines) + 1
-        for b in bad:
-            assert b.origin.startswith(f"fuzz{trial}.jsonl:") and b.reason
+        loaded = {int(origin.rsplit(":", 1)[1]) for origin in raw["train"]["_origin"]}
+        reported = {int(b.origin.rsplit(":", 1)[1]) for b in bad}
+        assert all(b.origin.startswith(f"fuzz{trial}.jsonl:") and b.reason for b in bad)
+        assert clean <= loaded and reported.isdisjoint(loaded)  # every clean line trains, every bad one is named
+        assert loaded | reported == numbers, (trial, numbers - loaded - reported)  # and no line goes unaccounted
 
 
 def test_stop_error_message_lists_and_points_to_skip():

@@ -25,7 +25,7 @@ CASES = {
     "fsdp2-lora": ("fsdp2_config.yaml", "fsdp", 2, False),
     "fsdp2-qlora-bf16-mixed-precision": ("fsdp2_config.yaml", "fsdp", 2, True),
     "fsdp1-lora": ("fsdp_config.yaml", "fsdp", 1, False),
-    "fsdp1-qlora-offload": ("fsdp_config_qlora.yaml", "fsdp", 1, True),
+    "fsdp1-qlora": ("fsdp_config_qlora.yaml", "fsdp", 1, True),  # its offload is off on CPU (CPU_FSDP1_OVERRIDES)
     "zero3-lora": ("deepspeed_config.yaml", "deepspeed", 2, False),
     "zero3-qlora": ("deepspeed_config_z3_qlora.yaml", "deepspeed", 2, True),
 }

@@ -1,6 +1,7 @@
 """Memory planner: counts from the meta model are exact; the arithmetic behaves; published points are near."""
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -137,3 +138,14 @@ def test_the_loss_backward_holds_what_the_plan_counts_per_tile_element():
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["plain"] == pytest.approx(4 + LOSS_TILE_TORCH_BYTES, rel=0.1)
     assert measured["softcapped"] == pytest.approx(4 + LOSS_TILE_TORCH_BYTES + LOSS_TILE_SOFTCAP_BYTES, rel=0.1)
+
+
+def test_eager_attention_adds_each_examples_scores_once_per_layer_or_once_with_checkpointing():
+    """eager_varlen (Gemma-2, gpt-oss) keeps each example's seq x seq scores per head: scores, their capped and fp32
+    softmaxed forms and the cast back, 3 x 2 + 4 bytes each in bf16."""
+    shapes = Shapes.of(load_config("llama-2-7b"))
+    for checkpointing, layers in ((True, 1), (False, shapes.num_layers)):
+        run = Run(batch=2, seq=1024, checkpointing=checkpointing)
+        added = plan(shapes, replace(run, eager_attention=True)).per_gpu["activations"] - plan(shapes, run).per_gpu[
+            "activations"]
+        assert added * GIB == pytest.approx(2 * shapes.heads * 1024 ** 2 * (3 * 2 + 4) * layers)

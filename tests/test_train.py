@@ -171,3 +171,17 @@ def test_resume_latest_picks_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / "checkpoint-16").mkdir()  # half-written by a kill: no marker
     assert resume_point("latest", tmp_path).endswith("checkpoint-12")
     assert resume_point(str(tmp_path / "checkpoint-4"), tmp_path).endswith("checkpoint-4")
+
+
+def test_remote_code_runs_only_when_asked(tiny_model_dir, monkeypatch):
+    """trust_remote_code runs the model repository's own Python: off unless --trust_remote_code true."""
+    import utils
+    from configuration import configure
+
+    seen = []
+    monkeypatch.setattr(utils, "load_causal_lm", lambda name, **kwargs: seen.append(kwargs["trust_remote_code"]) or
+                        (_ for _ in ()).throw(RuntimeError("stop before loading")))
+    for extra, expected in (([], False), (["--trust_remote_code", "true"], True)):
+        with pytest.raises(RuntimeError, match="stop before loading"):
+            train.build_base_model(configure(["--model_name_or_path", str(tiny_model_dir), *extra]))
+        assert seen[-1] is expected
