@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from configuration import Configuration, hub_offline, memory_plan
+from configuration import Configuration, hub_offline, memory_plan, planned_need
 from checkpoints import COMPLETE
 from utils import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
 
@@ -167,7 +167,7 @@ def quant_storage_dtype(s: Configuration) -> Problem | None:
     if not (s.quantized_4bit and s.launch.sharded):
         return None
     storage = s.model.bnb_4bit_quant_storage_dtype
-    fp16_amp = s.training.fp16 or s.launch.mixed_precision == "fp16"
+    fp16_amp = s.mixed_precision == "fp16"
     if storage == "uint8":
         return Problem("error", "4-bit weights stored as uint8 under FSDP/ZeRO-3",
                        "FSDP1 fails with 'Must flatten tensors with uniform dtype'; FSDP2 leaves them unsharded on "
@@ -188,7 +188,7 @@ def fsdp2_mixed_precision_casts_4bit(s: Configuration) -> Problem | None:
     and destroyed. (FSDP1's policy is set to the storage dtype by the Trainer.)"""
     if not (s.quantized_4bit and s.launch.fsdp and s.launch.fsdp_version == 2):
         return None
-    precision = "bf16" if s.training.bf16 else "fp16" if s.training.fp16 else s.launch.mixed_precision
+    precision = s.mixed_precision
     policy = {"bf16": "bfloat16", "fp16": "float16"}.get(precision)
     storage = s.model.bnb_4bit_quant_storage_dtype
     if policy is None or storage == policy:
@@ -207,7 +207,7 @@ def eight_bit_with_fsdp(s: Configuration) -> Problem | None:
 
 
 def bnb_optimizer_with_fsdp(s: Configuration) -> Problem | None:
-    optim = str(getattr(s.training.optim, "value", s.training.optim))
+    optim = s.optimizer
     if s.launch.fsdp and ("8bit" in optim or "paged" in optim):
         return Problem("error", f"--optim {optim} with FSDP", "training runs, then the first checkpoint save crashes "
                        "in FSDP.optim_state_dict", "--optim adamw_torch (or adamw_torch_fused)")
@@ -258,9 +258,7 @@ def two_activation_checkpointings(s: Configuration) -> Problem | None:
 
 
 def fsdp1_reshard_after_forward_ignored(s: Configuration) -> Problem | None:
-    env = s.launch.env
-    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "").upper()
-    strategy = env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+    reshard, strategy = s.launch.fsdp_reshard_after_forward, s.launch.fsdp_sharding_strategy
     if s.launch.fsdp and s.launch.fsdp_version == 1 and reshard and reshard not in (strategy, "TRUE", "FALSE"):
         return Problem("warning", f"FSDP1 fsdp_reshard_after_forward {reshard} is ignored",
                        f"accelerate's launcher exports sharding strategy {strategy}, which wins on FSDP1",
@@ -271,11 +269,11 @@ def fsdp1_reshard_after_forward_ignored(s: Configuration) -> Problem | None:
 def deepspeed_set_twice(s: Configuration) -> Problem | None:
     if not s.launch.deepspeed:
         return None
-    pairs = [("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "gradient_accumulation_steps",
-              s.training.gradient_accumulation_steps, "--gradient_accumulation_steps"),
-             ("ACCELERATE_GRADIENT_CLIPPING", "gradient_clipping", s.training.max_grad_norm, "--max_grad_norm")]
-    for env_key, key, flag_value, flag in pairs:
-        written = s.launch.env.get(env_key, "auto")
+    pairs = [("GRADIENT_ACCUMULATION_STEPS", "gradient_accumulation_steps", s.training.gradient_accumulation_steps,
+              "--gradient_accumulation_steps"),
+             ("GRADIENT_CLIPPING", "gradient_clipping", s.training.max_grad_norm, "--max_grad_norm")]
+    for setting, key, flag_value, flag in pairs:
+        written = s.launch.deepspeed_setting(setting)
         if written not in ("auto", "none", "") and float(written) != float(flag_value):
             return Problem("error", f"DeepSpeed {key} {written} in the accelerate config, {flag} {flag_value} in "
                            "the training flags", "the Trainer refuses mismatching DeepSpeed values",
@@ -318,11 +316,11 @@ def added_tokens_under_fsdp(s: Configuration) -> Problem | None:
 def no_layer_class_to_wrap(s: Configuration) -> Problem | None:
     if not (s.launch.fsdp and s.facts.model_config is not None):
         return None
-    if s.launch.env.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+    if s.launch.fsdp_wrap_policy != "TRANSFORMER_BASED_WRAP":
         return None
     model = s.facts.meta_model
     layers = list(getattr(model, "_no_split_modules", None) or [])
-    named = [name.strip() for name in s.launch.env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if name.strip()]
+    named = s.launch.fsdp_layer_classes
     if not named:
         if not layers:
             return Problem("error", "TRANSFORMER_BASED_WRAP on a model with no _no_split_modules", "FSDP cannot find "
@@ -398,13 +396,11 @@ def resume_checkpoint(s: Configuration) -> Problem | None:
 def memory_fit(s: Configuration) -> Problem | None:
     if not (s.facts.gpu_gib and s.facts.model_config is not None and s.facts.cuda):
         return None
-    from memory import ALLOCATOR_HEADROOM
-
-    needed, gpu_gib = memory_plan(s).per_gpu_total, s.facts.gpu_gib
-    if needed * ALLOCATOR_HEADROOM <= gpu_gib:
+    needed, gpu_gib = planned_need(s), s.facts.gpu_gib
+    if needed <= gpu_gib:
         return None
-    return Problem("warning", f"the memory plan needs about {needed:.1f} GiB per GPU ({needed * ALLOCATOR_HEADROOM:.1f} "
-                   f"GiB with allocator headroom), the GPUs have {gpu_gib:.0f} GiB", "the run would likely go out of "
+    return Problem("warning", f"the memory plan needs about {needed:.1f} GiB per GPU with allocator headroom, the "
+                   f"GPUs have {gpu_gib:.0f} GiB", "the run would likely go out of "
                    "memory", "lower --per_device_train_batch_size or --max_length, turn on "
                    "--activation_checkpointing, add GPUs, or offload (see `python memory.py --help`)")
 

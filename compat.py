@@ -1,48 +1,169 @@
-"""Every change the recipe makes to a library's internals, each with the version it was written for.
+"""Every change the recipe makes to a library's internals, and every private name it relies on, in one place.
 
-tests/test_compat.py holds a canary for each: it fails when the upstream code a patch relies on changes, so the patch
-is looked at again before it silently stops doing what it says.
+Each patch is a `Patch`: applied once per process (idempotent), undoable, usable as a context manager, and written for
+the pinned version it names. tests/test_compat.py holds a canary for each, and for the private names listed in
+PRIVATE_NAMES: it fails when the upstream code a patch relies on changes, so the patch is looked at again before it
+silently stops doing what it says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 PEFT_VERSION = "0.21"
+TRL_VERSION = "1.16"
+TORCH_VERSION = "2.13"
+DEEPSPEED_VERSION = "0.19"
+TRANSFORMERS_VERSION = "5.23"
+
+
+@dataclass
+class Patch:
+    """`owner.name` (an attribute, or a key when `item` is set) replaced by `make(original)` while applied."""
+
+    owner: str  # the module that holds it, imported when the patch is applied
+    name: str
+    make: Callable[[Any], Any]
+    why: str
+    written_for: str  # package and version
+    item: bool = False  # `owner.<mapping>[name]`: the owner path ends with the mapping's attribute
+    _original: Any = field(default=None, init=False, repr=False)
+    _applied: bool = field(default=False, init=False, repr=False)
+
+    def _target(self):
+        module, _, attribute = self.owner.rpartition(".") if self.item else (self.owner, "", "")
+        holder = importlib.import_module(module if self.item else self.owner)
+        return getattr(holder, attribute) if self.item else holder
+
+    def apply(self) -> None:
+        if self._applied:
+            return
+        target = self._target()
+        get = target.get if self.item else functools.partial(getattr, target)
+        self._original = get(self.name)
+        replacement = self.make(self._original)
+        if self.item:
+            target[self.name] = replacement
+        else:
+            setattr(target, self.name, replacement)
+        self._applied = True
+
+    def undo(self) -> None:
+        if not self._applied:
+            return
+        target = self._target()
+        if self.item:
+            target[self.name] = self._original
+        else:
+            setattr(target, self.name, self._original)
+        self._applied = False
+
+    def __enter__(self):
+        self.apply()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def _labelled_only(use_triton):
+    def decide(device) -> bool:
+        return device.type == "cpu" or use_triton(device)
+    return decide
+
+
+# TRL's fused LM head projects only the labelled positions where `_use_triton(device)` says its Triton kernels run; on
+# CPU it would project every position. `trl.trainer.utils` calls that name for this choice alone (the kernels module
+# keeps its own for the kernel itself), so answering yes for CPU there sends CPU runs down the compact path too.
+TRL_SCORES_LABELLED_POSITIONS_ON_CPU = Patch(
+    "trl.trainer.utils", "_use_triton", _labelled_only,
+    "TRL's fused LM head scores the labelled positions only on Triton devices; CPU runs do the same",
+    f"trl {TRL_VERSION}")
+
+# torch refuses FSDP1's sync_module_states for CPU tensors (NCCL cannot send host memory); gloo can, and the recipe's
+# CPU engine (distributed.cpu_fsdp_plugin) broadcasts rank 0's weights with it.
+TORCH_FSDP1_SYNCS_CPU_TENSORS = Patch(
+    "torch.distributed.fsdp._init_utils", "_check_module_states_for_sync_module_states", lambda _: lambda states: None,
+    "FSDP1's 'CPU tensors need a GPU' guard lifted for gloo", f"torch {TORCH_VERSION}")
+
+# DeepSpeed builds its shared-memory all-reduce (CPU inference) on the first collective of a CPU run: minutes of
+# compiling for nothing the recipe uses.
+DEEPSPEED_SKIPS_SHM_COMM = Patch(
+    "deepspeed.ops.__compatible_ops__", "deepspeed_shm_comm", lambda _: False,
+    "DeepSpeed's shared-memory all-reduce is not built on CPU hosts", f"deepspeed {DEEPSPEED_VERSION}", item=True)
+
+
+def _unless_split(rewrite, position: int, passthrough):
+    @functools.wraps(rewrite)
+    def wrapper(*args, **kwargs):
+        model = kwargs["model"] if "model" in kwargs else args[position]
+        return passthrough(*args, **kwargs) if has_split_experts(model) else rewrite(*args, **kwargs)
+    return wrapper
+
+
+# PEFT 0.21, on transformers 5, rewrites the LoRA config and adapter state dicts of MoE model types whose layout changed
+# (Mixtral, Qwen2/3-MoE, ...): targets named like a transformers 4 expert (`w1`, `gate_proj`) or router (`gate`) become
+# fused `target_parameters` (peft/utils/transformers_weight_conversion.py, called from `BaseTuner.inject_adapter` and
+# `set_peft_model_state_dict`). On a model whose experts moe.split_experts made into linear modules those names are
+# real modules; the rewrite would leave the experts out and adapt the router. A stock (fused) model still gets them,
+# which is how an adapter trained here loads onto it.
+PEFT_KEEPS_SPLIT_EXPERTS = [
+    Patch("peft.utils.transformers_weight_conversion", "convert_peft_config_for_transformers",
+          lambda rewrite: _unless_split(rewrite, 1, lambda *args, **kwargs: None),
+          "PEFT's MoE config rewrite skipped on split experts", f"peft {PEFT_VERSION}"),
+    Patch("peft.utils.transformers_weight_conversion", "convert_peft_adapter_state_dict_for_transformers",
+          lambda rewrite: _unless_split(rewrite, 0, lambda *args, **kwargs: kwargs.get("adapter_state_dict",
+                                                                                         args[2] if len(args) > 2
+                                                                                         else None)),
+          "PEFT's MoE adapter rewrite skipped on split experts", f"peft {PEFT_VERSION}"),
+]
 
 
 def peft_keeps_split_experts() -> None:
-    """PEFT 0.21 rewrites LoRA configs and adapter state dicts of MoE model types whose layout changed in transformers 5
-    (Mixtral, Qwen2/3-MoE, ...): every target named like a transformers 4 expert (`w1`, `gate_proj`, ...) or router
-    (`gate`) becomes a fused `target_parameters` entry (peft/utils/transformers_weight_conversion.py, called from
-    `BaseTuner.inject_adapter` and `set_peft_model_state_dict`). On a model whose experts moe.split_experts made into
-    linear modules those names are real modules, and the rewrite would leave the experts out and adapt the router.
-    Skip both rewrites for such models; a stock (fused) model still gets them, which is how an adapter trained here
-    loads onto it."""
-    from peft.utils import transformers_weight_conversion as conversion
-
-    if getattr(conversion, "_recipe_keeps_split_experts", False):
-        return
-
-    def unless_split(rewrite, passthrough):
-        @functools.wraps(rewrite)
-        def wrapper(*args, **kwargs):
-            position = 1 if rewrite.__name__.startswith("convert_peft_config") else 0
-            model = kwargs["model"] if "model" in kwargs else args[position]
-            if has_split_experts(model):
-                return passthrough(*args, **kwargs)
-            return rewrite(*args, **kwargs)
-        return wrapper
-
-    conversion.convert_peft_config_for_transformers = unless_split(
-        conversion.convert_peft_config_for_transformers, lambda *args, **kwargs: None)
-    conversion.convert_peft_adapter_state_dict_for_transformers = unless_split(
-        conversion.convert_peft_adapter_state_dict_for_transformers,
-        lambda *args, **kwargs: kwargs["adapter_state_dict"] if "adapter_state_dict" in kwargs else args[2])
-    conversion._recipe_keeps_split_experts = True
+    for patch in PEFT_KEEPS_SPLIT_EXPERTS:
+        patch.apply()
 
 
 def has_split_experts(model) -> bool:
     from moe import ExpertLinears
 
     return any(isinstance(module, ExpertLinears) for module in model.modules())
+
+
+@contextlib.contextmanager
+def transformers_zero3_hidden(hide: bool):
+    """transformers' global ZeRO-3 switch (`integrations.deepspeed._hf_deepspeed_config_weak_ref`) off for the
+    duration: with it on, transformers refuses a device_map and builds the model inside zero.Init, where every rank
+    reads the checkpoint (measured on 2 CPU processes: each grew 2.7 times the model's bytes). Rank 0 / meta loading
+    needs both off; sharding.partition_from_rank0 partitions the model afterwards."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    reference = hf_deepspeed._hf_deepspeed_config_weak_ref
+    if not (hide and hf_deepspeed.is_deepspeed_zero3_enabled()):
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(reference())
+
+
+# Private names the recipe reads, writes or overrides without replacing them, each checked by tests/test_compat.py:
+# (module, dotted name, where the recipe uses it and why)
+PRIVATE_NAMES = [
+    ("accelerate.state", "PartialState._shared_state", "distributed.CpuEngineSFTTrainer: every AcceleratorState "
+     "re-reads the process-level state, so the engine kept on CPU is recorded there as accelerate records it"),
+    ("accelerate.commands.launch", "_validate_launch_command", "distributed.launch_environment: the environment "
+     "`accelerate launch` would export, for --check and the tests"),
+    ("transformers.trainer", "Trainer._save_checkpoint", "checkpoints.CompleteCheckpointsMixin: a completion marker "
+     "after every rank has written the checkpoint"),
+    ("transformers.trainer", "Trainer._save", "train.save_adapter: the final folder written from the gathered adapter"),
+    ("torch.distributed.fsdp._flat_param", "FlatParameter._fqns", "sharding.gather_fsdp1_adapter: each FSDP1 unit's "
+     "own parameter names"),
+    ("transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref", "compat.transformers_zero3_hidden"),
+]

@@ -177,22 +177,61 @@ class Configuration:
 
     @property
     def precision(self) -> str:
+        """What the Trainer computes in: its bf16/fp16 flags, else fp32."""
         return "bf16" if self.training.bf16 else "fp16" if self.training.fp16 else "fp32"
+
+    @property
+    def mixed_precision(self) -> str:
+        """The autocast in effect: the Trainer's flag, else what the accelerate config set (no, bf16, fp16)."""
+        return self.precision if self.precision != "fp32" else self.launch.mixed_precision
+
+    @property
+    def optimizer(self) -> str:
+        return str(getattr(self.training.optim, "value", self.training.optim))
 
 
 def settle(request: Request, facts: Facts) -> Configuration:
     """The recipe's defaults where the user set nothing, and every setting derived from the facts, each recorded as
-    a Decision. Raises ConfigError for training values TRL refuses."""
+    a Decision, in this order (some read what an earlier one decided). Raises ConfigError for training values TRL
+    refuses."""
     from trl import SFTConfig
 
-    given, decisions = request.training, []
+    refuse_engine_flags(request.training)
+    values, decisions = training_values(request, facts)
+    try:
+        training = SFTConfig(**values)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"invalid training arguments: {err}") from None
+    config = Configuration(request.model, request.data, training, facts, decisions=decisions,
+                           token_on_command_line=request.token_on_command_line,
+                           base_model_id=hub_id_of(request.model.model_name_or_path, request.model.base_model_id),
+                           dtype=load_dtype(request.model, training), max_length=training.max_length)
+    checkpointing_given = bool({"activation_checkpointing", "gradient_checkpointing"} & set(request.training))
+    for decide in (decide_base_model_id, decide_attention):  # attention before the plan: eager keeps its scores
+        decide(config)
+    if not checkpointing_given:
+        decide_activation_checkpointing(config)
+    for decide in (decide_checkpointing_kwargs, decide_lengths, decide_placement, decide_loading, decide_cpu_engine,
+                   decide_compile, decide_publishing):
+        decide(config)
+    return config
+
+
+def refuse_engine_flags(given: dict) -> None:
+    """--fsdp / --deepspeed would build the engine inside the Trainer, past the launch this recipe checks and plans."""
     engine_flags = [key for key in ("fsdp", "fsdp_config", "deepspeed") if given.get(key)]
-    if engine_flags:  # the Trainer would build the engine itself, past the launch this recipe checks and plans for
+    if engine_flags:
         raise ConfigError(f"--{' / --'.join(engine_flags)} set up sharding inside the Trainer, where preflight, the "
                           "memory plan and the CPU engine cannot see it. Launch with an accelerate config instead: "
                           "`accelerate launch --config_file configs/fsdp2_config.yaml train.py ...` (FSDP) or "
                           "configs/deepspeed_config.yaml (ZeRO-3); configs/README.md lists them, and `python "
                           "distributed.py translate` turns one engine's config into the other's.")
+
+
+def training_values(request: Request, facts: Facts) -> tuple[dict, list[Decision]]:
+    """The SFTConfig's values: the user's, the recipe's defaults, and what the hardware decides where the user set
+    nothing (activation checkpointing off until the memory plan decides it)."""
+    given, decisions = request.training, []
     values = {**RECIPE_DEFAULTS, **given}
     for key, old in request.renamed.items():
         decisions.append(Decision(key, given[key], f"given as {old}, {RENAMED[old][1]}"))
@@ -215,84 +254,113 @@ def settle(request: Request, facts: Facts) -> Configuration:
     else:
         default("padding_free", True, "one row per batch, no pad tokens; attention stays within each example")
     # `gradient_checkpointing` is the old name of `activation_checkpointing`: a user who sets either decides
-    checkpointing_given = bool({"activation_checkpointing", "gradient_checkpointing"} & set(given))
-    if not checkpointing_given:
-        values["activation_checkpointing"] = False  # TRL turns it on; decided below from the memory plan
-    try:
-        training = SFTConfig(**values)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"invalid training arguments: {err}") from None
+    if not {"activation_checkpointing", "gradient_checkpointing"} & set(given):
+        values["activation_checkpointing"] = False  # TRL turns it on; decided from the memory plan
+    return values, decisions
 
-    config = Configuration(request.model, request.data, training, facts, decisions=decisions,
-                           token_on_command_line=request.token_on_command_line,
-                           base_model_id=hub_id_of(request.model.model_name_or_path, request.model.base_model_id))
-    if config.base_model_id and config.base_model_id != request.model.model_name_or_path:
-        decisions.append(Decision("base model recorded as", config.base_model_id, "the adapter's config and card name "
-                                  "the Hub model, not this disk's copy of it (--base_model_id)"))
-    # before the memory plan below: eager attention per example stores its scores
+
+def decide_base_model_id(config: Configuration) -> None:
+    if config.base_model_id and config.base_model_id != config.model.model_name_or_path:
+        config.decisions.append(Decision("base model recorded as", config.base_model_id, "the adapter's config and "
+                                         "card name the Hub model, not this disk's copy of it (--base_model_id)"))
+
+
+def decide_attention(config: Configuration) -> None:
     config.attention, why = (("flash_attention_2", "--use_flash_attn") if config.model.use_flash_attn
-                             else attention_for(facts.model_config))
-    decisions.append(Decision("attention", config.attention, why))
-    if not checkpointing_given:
-        decide_activation_checkpointing(config)
-    if training.activation_checkpointing:
-        # transformers 5 picks non-reentrant when no kwargs are given; ZeRO-3 + LoRA needs reentrant
-        reentrant, why = config.model.use_reentrant, "from --use_reentrant"
-        if not reentrant and facts.launch.zero_stage == 3 and config.uses_peft:  # what TRL does (it warns too)
-            reentrant, why = True, ("--use_reentrant false overridden: ZeRO-3 + LoRA cannot recompute non-reentrant "
-                                    "checkpoints ('Recomputed values ... shape [0]'); TRL overrides it the same way")
-        training.activation_checkpointing_kwargs = {"use_reentrant": reentrant}
-        decisions.append(Decision("activation_checkpointing_kwargs", training.activation_checkpointing_kwargs, why))
-    config.max_length = training.max_length
+                             else attention_for(config.facts.model_config))
+    config.decisions.append(Decision("attention", config.attention, why))
+
+
+def decide_checkpointing_kwargs(config: Configuration) -> None:
+    """transformers 5 picks non-reentrant when no kwargs are given; ZeRO-3 + LoRA needs reentrant."""
+    training = config.training
+    if not training.activation_checkpointing:
+        return
+    reentrant, why = config.model.use_reentrant, "from --use_reentrant"
+    if not reentrant and config.launch.zero_stage == 3 and config.uses_peft:  # what TRL does (it warns too)
+        reentrant, why = True, ("--use_reentrant false overridden: ZeRO-3 + LoRA cannot recompute non-reentrant "
+                                "checkpoints ('Recomputed values ... shape [0]'); TRL overrides it the same way")
+    training.activation_checkpointing_kwargs = {"use_reentrant": reentrant}
+    config.decisions.append(Decision("activation_checkpointing_kwargs", training.activation_checkpointing_kwargs, why))
+
+
+def decide_lengths(config: Configuration) -> None:
+    """The recipe truncates each example itself; TRL's own max_length goes where it would not enforce it."""
+    training = config.training
     if training.padding_free and not training.packing:
         training.max_length = None
-        decisions.append(Decision("max_length (TRL)", None, f"padding-free batches: the recipe truncates each example "
-                                  f"to {config.max_length} tokens itself; TRL refuses a length it would not enforce"))
-    config.dtype = load_dtype(config.model, training)
+        config.decisions.append(Decision("max_length (TRL)", None, f"padding-free batches: the recipe truncates each "
+                                         f"example to {config.max_length} tokens itself; TRL refuses a length it "
+                                         "would not enforce"))
+
+
+def decide_placement(config: Configuration) -> None:
+    """Where a 4-bit model on one GPU is quantized; what a mixture of experts trains."""
+    facts = config.facts
     mixture = facts.model_config is not None and is_moe(facts.model_config)
     if config.quantized_4bit and facts.gpu_here and not facts.launch.sharded and mixture:
         config.device_map, config.place_on = {"": "cpu"}, f"cuda:{facts.launch.local_rank}"
-        decisions.append(Decision("device_map", config.device_map, "a 4-bit mixture of experts is loaded on the host, "
-                                  "its experts quantized there one at a time (moe.py), then moved to the GPU: "
-                                  "bitsandbytes quantizes only linear layers while placing, and the fused experts "
-                                  "would reach the GPU in 16 bits"))
+        config.decisions.append(Decision("device_map", config.device_map, "a 4-bit mixture of experts is loaded on "
+                                         "the host, its experts quantized there one at a time (moe.py), then moved "
+                                         "to the GPU: bitsandbytes quantizes only linear layers while placing, and "
+                                         "the fused experts would reach the GPU in 16 bits"))
     elif config.quantized_4bit and facts.gpu_here and not facts.launch.sharded:
         config.device_map = {"": facts.launch.local_rank}
-        decisions.append(Decision("device_map", config.device_map, "bitsandbytes quantizes while placing on the GPU"))
+        config.decisions.append(Decision("device_map", config.device_map, "bitsandbytes quantizes while placing on "
+                                         "the GPU"))
     if mixture:
         decide_mixture_of_experts(config)
-    zero3_4bit = facts.launch.zero_stage == 3 and config.quantized_4bit  # transformers' zero.Init skips 4-bit models
-    config.weights_from_rank0 = facts.launch.weights_from_rank0 or zero3_4bit
-    if config.weights_from_rank0:
-        config.device_map = {"": "cpu"} if facts.launch.rank == 0 else {"": "meta"}
-        reason = ("fsdp_cpu_ram_efficient_loading" if facts.launch.fsdp else "ZeRO-3 with a 4-bit model" if zero3_4bit
-                  else "ZeRO-3 with zero3_init_flag")
-        decisions.append(Decision("loading", "rank 0 reads, the other ranks receive", reason + ": rank 0 reads the "
-            "checkpoint into host RAM" + (" and quantizes it there (never the whole 4-bit model on one GPU)"
+
+
+def decide_loading(config: Configuration) -> None:
+    """Rank 0 reads, the others receive (sharding.py), where the launch asks for it or a 4-bit ZeRO-3 model needs it."""
+    launch = config.launch
+    zero3_4bit = launch.zero_stage == 3 and config.quantized_4bit  # transformers' zero.Init skips 4-bit models
+    config.weights_from_rank0 = launch.weights_from_rank0 or zero3_4bit
+    if not config.weights_from_rank0:
+        return
+    config.device_map = {"": "cpu"} if launch.rank == 0 else {"": "meta"}
+    reason = ("fsdp_cpu_ram_efficient_loading" if launch.fsdp else "ZeRO-3 with a 4-bit model" if zero3_4bit
+              else "ZeRO-3 with zero3_init_flag")
+    config.decisions.append(Decision("loading", "rank 0 reads, the other ranks receive", reason + ": rank 0 reads "
+        "the checkpoint into host RAM" + (" and quantizes it there (never the whole 4-bit model on one GPU)"
                                           if config.quantized_4bit else "") + "; the other ranks build on the meta "
-            "device and receive their shards from it (sharding.py)"))
-    if not facts.cuda and (facts.launch.fsdp or facts.launch.deepspeed):
-        config.cpu_engine = "fsdp" if facts.launch.fsdp else "deepspeed"
-        decisions.append(Decision("engine on CPU", config.cpu_engine, "accelerate drops FSDP and DeepSpeed without an "
-                                  "accelerator; the recipe keeps them, over gloo (distributed.CpuEngineSFTTrainer)"))
-        if facts.launch.fsdp and facts.launch.fsdp_version == 1:
-            for setting, (value, why) in CPU_FSDP1_OVERRIDES.items():
-                if facts.launch.fsdp_setting(setting):
-                    decisions.append(Decision(f"fsdp_{setting.lower()} on CPU", value, why))
-    if training.torch_compile:
-        config.environment, compiled = compile_settings(facts.launch.env)
-        decisions.append(Decision("torch_compile", compiled, "regional compilation for any length, unless the "
-                                  "accelerate config or ACCELERATE_DYNAMO_* says otherwise"))
-    if training.push_to_hub:  # the recipe publishes once, at the end, a folder it has built and checked
+        "device and receive their shards from it (sharding.py)"))
+
+
+def decide_cpu_engine(config: Configuration) -> None:
+    launch = config.launch
+    if config.facts.cuda or not (launch.fsdp or launch.deepspeed):
+        return
+    config.cpu_engine = "fsdp" if launch.fsdp else "deepspeed"
+    config.decisions.append(Decision("engine on CPU", config.cpu_engine, "accelerate drops FSDP and DeepSpeed without "
+                                     "an accelerator; the recipe keeps them, over gloo (distributed.CpuEngineSFTTrainer)"))
+    if launch.fsdp and launch.fsdp_version == 1:
+        for setting, (value, why) in CPU_FSDP1_OVERRIDES.items():
+            if launch.fsdp_setting(setting):
+                config.decisions.append(Decision(f"fsdp_{setting.lower()} on CPU", value, why))
+
+
+def decide_compile(config: Configuration) -> None:
+    if config.training.torch_compile:
+        config.environment, compiled = compile_settings(config.launch.env)
+        config.decisions.append(Decision("torch_compile", compiled, "regional compilation for any length, unless the "
+                                         "accelerate config or ACCELERATE_DYNAMO_* says otherwise"))
+
+
+def decide_publishing(config: Configuration) -> None:
+    """The recipe publishes once, at the end, a folder it has built and checked; the token stays out of the pickled
+    training arguments (every checkpoint's training_args.bin)."""
+    training = config.training
+    if training.push_to_hub:
         config.publish_to = training.hub_model_id or Path(training.output_dir).name
         training.push_to_hub = False
-        decisions.append(Decision("publish to", config.publish_to, "export.publish after the final save, private "
-                                  "unless --hub_private_repo false"))
-    if training.hub_token:  # the Trainer pickles its arguments into every checkpoint (training_args.bin)
+        config.decisions.append(Decision("publish to", config.publish_to, "export.publish after the final save, "
+                                         "private unless --hub_private_repo false"))
+    if training.hub_token:
         config.hub_token, training.hub_token = training.hub_token, None
-        decisions.append(Decision("hub_token", "kept out of the training arguments", "they are pickled into every "
-                                  "checkpoint; the token is passed to the loaders and the upload only"))
-    return config
+        config.decisions.append(Decision("hub_token", "kept out of the training arguments", "they are pickled into "
+                                         "every checkpoint; the token is passed to the loaders and the upload only"))
 
 
 def decide_mixture_of_experts(config: Configuration) -> None:
@@ -322,21 +390,17 @@ def planned_run(config: Configuration):
     launch, training = config.launch, config.training
     engine = ("fsdp" if launch.fsdp else "deepspeed" if launch.deepspeed else
               "ddp" if launch.num_processes > 1 else "none")
-    optim = str(getattr(training.optim, "value", training.optim))
+    optim = config.optimizer
     method = "qlora" if config.quantized_4bit else "lora" if config.uses_peft else "full"
-    offload = launch.fsdp_setting("OFFLOAD_PARAMS") or launch.env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-                                                                      "none") not in ("none", "")
-    strategy = launch.env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
-    reshard = launch.env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
-    grad_op = strategy == "SHARD_GRAD_OP" if launch.fsdp_version == 1 else reshard == "false"
-    return Run(method=method, engine=engine, sharding="grad_op" if grad_op else "full",
+    offload = launch.fsdp_setting("OFFLOAD_PARAMS") or launch.deepspeed_offload
+    return Run(method=method, engine=engine, sharding="grad_op" if launch.fsdp_shards_gradients_only else "full",
                zero_stage=launch.zero_stage or 3, offload=offload, gpus=launch.num_processes,
-               batch=training.per_device_train_batch_size, seq=config.max_length or training.max_length or 1024,
+               batch=training.per_device_train_batch_size, seq=config.max_length or 1024,  # 1024: TRL's default
                checkpointing=bool(training.activation_checkpointing),
                optimizer="sgd" if optim == "sgd" else "adamw_8bit" if "8bit" in optim else "adamw",
                lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout,
                nested_quant=config.model.use_nested_quant, device="cuda" if config.facts.cuda else "cpu",
-               precision="bf16" if training.bf16 or config.quantized_4bit else "fp32",
+               precision="bf16" if config.dtype.itemsize == 2 else "fp32",  # the load dtype (4-bit: its storage)
                fsdp_version=launch.fsdp_version, weights_from_rank0=config.weights_from_rank0,
                checkpoint_dtype=checkpoint_dtype(config.facts.model_config),
                eager_attention=config.attention == EAGER_ATTENTION)
@@ -357,11 +421,17 @@ def memory_plan(config: Configuration, **changes):
     return plan(config.facts.shapes, replace(planned_run(config), **changes))
 
 
+def planned_need(config: Configuration, **changes) -> float:
+    """GiB the plan needs of what the run has: each GPU's with the allocator's headroom, or this host's RAM on CPU."""
+    from memory import ALLOCATOR_HEADROOM
+
+    plan = memory_plan(config, **changes)
+    return plan.per_gpu_total * ALLOCATOR_HEADROOM if config.facts.cuda else plan.host_total
+
+
 def decide_activation_checkpointing(config: Configuration) -> None:
     """On only if the memory plan without it does not fit the memory the run has (each GPU with the allocator's
     headroom, or this host's available RAM on CPU): it costs about a third more compute."""
-    from memory import ALLOCATOR_HEADROOM
-
     facts = config.facts
     capacity, where = (facts.gpu_gib, "per GPU (with allocator headroom)") if facts.cuda else (
         facts.host_gib, "of host RAM")
@@ -370,8 +440,7 @@ def decide_activation_checkpointing(config: Configuration) -> None:
                             "has is unknown here, so the plan could not decide")
     else:
         def needed(checkpointing: bool) -> float:
-            p = memory_plan(config, checkpointing=checkpointing)
-            return p.per_gpu_total * ALLOCATOR_HEADROOM if facts.cuda else p.host_total
+            return planned_need(config, checkpointing=checkpointing)
 
         without = needed(False)
         if without <= capacity:

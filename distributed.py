@@ -74,6 +74,41 @@ class Launch:
         return self.env.get("ACCELERATE_MIXED_PRECISION", "no")
 
     @property
+    def fsdp_sharding_strategy(self) -> str:
+        """FSDP1's strategy: accelerate's launcher always exports one (FULL_SHARD unless the config says)."""
+        return self.env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+
+    @property
+    def fsdp_reshard_after_forward(self) -> str:
+        """FSDP2's setting as written ("" when the config has none; FSDP1 configs may carry a strategy name here)."""
+        return self.env.get("FSDP_RESHARD_AFTER_FORWARD", "").upper()
+
+    @property
+    def fsdp_shards_gradients_only(self) -> bool:
+        """SHARD_GRAD_OP (FSDP1) or reshard_after_forward false (FSDP2): parameters stay gathered between forward and
+        backward."""
+        if self.fsdp_version == 1:
+            return self.fsdp_sharding_strategy == "SHARD_GRAD_OP"
+        return self.fsdp_reshard_after_forward == "FALSE"
+
+    @property
+    def fsdp_wrap_policy(self) -> str:
+        return self.env.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
+
+    @property
+    def fsdp_layer_classes(self) -> list[str]:
+        """The decoder-layer classes the config names for FSDP to wrap (empty: the model's own _no_split_modules)."""
+        return [name.strip() for name in self.env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if name.strip()]
+
+    @property
+    def deepspeed_offload(self) -> bool:
+        return self.env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") not in ("none", "")
+
+    def deepspeed_setting(self, name: str) -> str:
+        """A DeepSpeed value the accelerate config wrote (ACCELERATE_<NAME>), "auto" where it wrote none."""
+        return self.env.get(f"ACCELERATE_{name}", "auto")
+
+    @property
     def local_rank(self) -> int:
         return int(self.env.get("LOCAL_RANK", 0))
 
@@ -112,12 +147,12 @@ class CpuEngineSFTTrainer(SFTTrainer):
             super().create_accelerator_and_postprocess()
         state = self.accelerator.state
         if self.engine == "deepspeed":
-            import deepspeed.ops
             from deepspeed import comm
+
+            from compat import DEEPSPEED_SKIPS_SHM_COMM
             from transformers.integrations.deepspeed import propagate_args_to_deepspeed
 
-            # DeepSpeed's shared-memory all-reduce serves CPU inference; building it on first use takes minutes
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            DEEPSPEED_SKIPS_SHM_COMM.apply()  # DeepSpeed's CPU-inference all-reduce: minutes to build on first use
             comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # over accelerate's process group
             plugin = self.args.deepspeed_plugin  # TrainingArguments built it from the launch environment
             plugin.select(_from_accelerator_state=True)
@@ -156,8 +191,9 @@ def cpu_fsdp_plugin(launch: Launch):
 
     if launch.fsdp_version != 1:
         return FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_AUTO_WRAP_POLICY, ... from the env
-    import torch.distributed.fsdp._init_utils as fsdp1_init
     from torch.distributed.fsdp import CPUOffload
+
+    from compat import TORCH_FSDP1_SYNCS_CPU_TENSORS
 
     with without_fsdp1_device_settings(launch):
         plugin = FullyShardedDataParallelPlugin()
@@ -165,7 +201,7 @@ def cpu_fsdp_plugin(launch: Launch):
     if launch.fsdp_setting("SYNC_MODULE_STATES") or plugin.cpu_ram_efficient_loading:
         plugin.sync_module_states = True
         plugin.param_init_fn = lambda module: module.to_empty(device="cpu", recurse=False)
-        fsdp1_init._check_module_states_for_sync_module_states = lambda states: None
+        TORCH_FSDP1_SYNCS_CPU_TENSORS.apply()
     plugin.cpu_offload = CPUOffload(offload_params=False)
     return plugin
 

@@ -133,24 +133,6 @@ def attention_for(model_config) -> tuple[str, str]:
                              "(fast_paths.py)")
 
 
-def score_labelled_positions_only() -> None:
-    """Let TRL's fused LM head project only the positions with a label on CPU too (idempotent).
-
-    TRL 1.16 decides this with `trl.trainer.utils._use_triton(device)`, a name that module uses for nothing else (the
-    kernels module keeps its own for the kernel choice); tests/test_fast_paths.py fails if that stops being so."""
-    import trl.trainer.utils as trl_utils
-
-    decide = trl_utils._use_triton
-    if getattr(decide, "labelled_only", False):
-        return
-
-    def compact(device: torch.device) -> bool:
-        return device.type == "cpu" or decide(device)
-
-    compact.labelled_only = True
-    trl_utils._use_triton = compact
-
-
 def compile_settings(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
     """`--torch_compile`: unless the launch environment `env` says otherwise, compile each decoder layer (one graph
     serves them all, so it compiles in a fraction of the whole model's time) for any length (padding-free batches

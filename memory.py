@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -250,8 +251,17 @@ def loss_bytes(shapes: Shapes, run: Run, compute_bytes: int) -> float:
     return tile * compute_bytes + backward + scored * shapes.hidden * (2 * compute_bytes + 4)
 
 
-def plan(shapes: Shapes, run: Run) -> Plan:
-    p = Plan()
+class TrainingState(NamedTuple):
+    """Bytes per rank of what training holds beside activations (memory.plan's first half)."""
+
+    weights: float  # the whole base as loaded (4-bit: packed, with constants), before sharding
+    adapter: float  # the trainable parameters, whole
+    per_rank: dict[str, float]  # frozen weights, trainable weights, gradients, optimizer state: each rank's share
+    gathered: float  # what FSDP / ZeRO-3 gathers while computing
+    sharded: bool  # parameters are split across ranks
+
+
+def training_state(shapes: Shapes, run: Run, p: Plan) -> TrainingState:
     n = max(run.gpus, 1)
     weight_bytes = 2 if run.precision == "bf16" else 4  # the recipe loads in bf16 (or the bf16 4-bit storage)
     quant = NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES
@@ -287,12 +297,10 @@ def plan(shapes: Shapes, run: Run) -> Plan:
                              "processes, each rank kept half of every packed weight and the logits equalled one "
                              "process's")
     frozen = 0 if run.method == "full" else weights  # the base model; LoRA weights come on top
-    trainable_weights = trainable * train_bytes
-    base = frozen / n if shards_params else frozen
-    own = trainable_weights / n if shards_params else trainable_weights
-    grads = trainable * train_bytes / (n if shards_grads else 1)
-    optim = optimizer / (n if shards_optim else 1)
-
+    per_rank = {"weights (frozen)": frozen / n if shards_params else frozen,
+                "trainable weights": trainable * train_bytes / (n if shards_params else 1),
+                "gradients": trainable * train_bytes / (n if shards_grads else 1),
+                "optimizer state": optimizer / (n if shards_optim else 1)}
     # What FSDP / ZeRO-3 gathers while computing: the current and the prefetched layer, plus the root unit
     # (embeddings and lm_head) for the first and last step.
     layer_bytes = shapes.largest_layer * (quant if run.method == "qlora" else weight_bytes)
@@ -300,7 +308,12 @@ def plan(shapes: Shapes, run: Run) -> Plan:
     if shards_params:
         p.assumptions.append("sharded: 2 decoder layers gathered at a time (current + prefetch), plus the "
                              "embeddings / lm_head unit")
+    return TrainingState(weights, trainable * train_bytes, per_rank, gathered, shards_params)
 
+
+def activation_bytes(shapes: Shapes, run: Run, p: Plan) -> float:
+    """What the forward keeps for the backward: each layer's activations (or, checkpointed, each layer's input and one
+    layer recomputed), eager attention's scores, and the copies each LoRA branch keeps of its input."""
     tokens = run.batch * run.seq
     act_bytes = 2 if run.precision == "bf16" else 4
     act_layer = tokens * (10 * shapes.hidden + 2 * shapes.kv_dim + 5 * shapes.intermediate) * act_bytes
@@ -324,26 +337,32 @@ def plan(shapes: Shapes, run: Run) -> Plan:
         # activations) and after dropout.
         adapter_bytes = 2 if run.method == "qlora" else 4
         copies = adapter_bytes * ((adapter_bytes != act_bytes) + (run.lora_dropout > 0))
-        lora_acts = tokens * shapes.linear_inputs * copies * (1 if run.checkpointing else shapes.num_layers)
-        activations += lora_acts
+        activations += tokens * shapes.linear_inputs * copies * (1 if run.checkpointing else shapes.num_layers)
         p.assumptions.append("LoRA: each adapted linear keeps its input again, cast to the adapter dtype and after "
                              "dropout")
-    logits = loss_bytes(shapes, run, act_bytes)
+    return activations
+
+
+def plan(shapes: Shapes, run: Run) -> Plan:
+    p = Plan()
+    n = max(run.gpus, 1)
+    state = training_state(shapes, run, p)
+    activations = activation_bytes(shapes, run, p)
+    logits = loss_bytes(shapes, run, 2 if run.precision == "bf16" else 4)
     dequant = shapes.largest_linear * 2 if run.method == "qlora" else 0
     p.assumptions.append(f"{run.batch} x {run.seq} tokens per step, {run.labelled:.0%} of them labelled; the loss "
                          f"as TRL {TRL_LOSS_VERSION} computes it: the head projects the labelled positions only, in "
                          f"tiles of {LOSS_TILE_TOKENS} tokens x {LOSS_TILE_VOCAB} vocabulary columns, never the whole "
                          "logits")
-
     on_gpu = run.device == "cuda"
-    state = {"weights (frozen)": base, "trainable weights": own, "gradients": grads, "optimizer state": optim}
+    held = dict(state.per_rank)
     if run.offload and on_gpu:
         p.assumptions.append("offload: sharded weights, gradients and optimizer state live in host RAM")
-        host_state = {k: v * n for k, v in state.items()}  # every rank's shard on the one host
-        state = {k: 0.0 for k in state}
+        host_state = {k: v * n for k, v in held.items()}  # every rank's shard on the one host
+        held = {k: 0.0 for k in held}
     else:
         host_state = {}
-    gpu = {**state, "gathered layers": gathered, "activations": activations, "loss (head tiles)": logits,
+    gpu = {**held, "gathered layers": state.gathered, "activations": activations, "loss (head tiles)": logits,
            "4-bit dequantization": dequant}
     if on_gpu:
         p.per_gpu = {k: v / GIB for k, v in gpu.items()}
@@ -358,8 +377,120 @@ def plan(shapes: Shapes, run: Run) -> Plan:
         p.assumptions.append(f"CPU run: everything in host RAM, plus {PROCESS_BASE_GIB} GiB for the process and "
                              "nothing for the trainer beyond the terms above (measured with a 2.1 GiB model: 0.131 "
                              "GiB of growth while training, 0.135 planned without such a term)")
-    plan_load_and_save(p, shapes, run, weights, trainable * train_bytes, shards_params)
+    plan_load_and_save(p, shapes, run, state.weights, state.adapter, state.sharded)
     return p
+
+
+class LoadTerms(NamedTuple):
+    """What the load phase's peaks are made of, in bytes (plan_load_and_save)."""
+
+    n: int  # ranks
+    reader: float  # what rank 0 holds of the base it read (0 when the weights alias the memory-mapped file)
+    adapter: float
+    own_shard: float  # each rank's share of the shardable base
+    quant_state: float  # 4-bit constants: not sharded, every rank keeps them whole
+    largest: float  # the largest tensor (embedding or biggest linear) in its loaded form
+    converted: bool  # the weights are new memory (4-bit, or another dtype than the checkpoint's)
+    on_gpu: bool
+    shards_on_host: bool  # the shards live in host RAM (a CPU run, or offload)
+    unit: float  # FSDP1's largest unit: a decoder layer or the root (embedding and head)
+
+
+def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: bool) -> LoadTerms:
+    n = max(run.gpus, 1)
+    weight_bytes = 2 if run.precision == "bf16" else 4
+    qlora = run.method == "qlora"
+    quant = NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES
+    quant_state = shapes.linear * (quant - 0.5) if qlora else 0
+    shardable = base - quant_state
+    embedding = shapes.vocab * shapes.hidden * weight_bytes
+    load_dtype = "bfloat16" if run.precision == "bf16" else "float32"
+    converted = qlora or run.checkpoint_dtype != load_dtype  # else the weights alias the memory-mapped file
+    reader = base if converted else 0.0
+    if qlora:
+        reader += shapes.largest_linear * getattr(torch, run.checkpoint_dtype).itemsize  # one weight being quantized
+        # a mixture of experts: transformers loads the fused experts in 16 bits; moe.py quantizes them afterwards
+        reader += shapes.expert_linear * weight_bytes
+    on_gpu = run.device == "cuda"
+    return LoadTerms(n=n, reader=reader, adapter=adapter, own_shard=shardable / n if sharded else shardable,
+                     quant_state=quant_state,
+                     largest=max(embedding, shapes.largest_linear * (0.5 if qlora else weight_bytes)),
+                     converted=converted, on_gpu=on_gpu, shards_on_host=not on_gpu or run.offload,
+                     unit=max(shapes.largest_layer * (quant if qlora else weight_bytes),
+                              shapes.outside_layers * weight_bytes))
+
+
+def fsdp1_load(t: LoadTerms, run: Run, p: Plan) -> tuple[float, float, float]:
+    """sync_module_states, unit by unit (the decoder layers, then the root unit: embedding and head): the unit is
+    materialized on every rank, broadcast from rank 0, flattened into one tensor and sliced. (gpu, rank 0, other)"""
+    gpu, unit = 0.0, t.unit
+    if not t.on_gpu:
+        # Measured on 2 gloo processes: besides its slices (own_shard), a rank > 0 holds the unit and the broadcast's
+        # coalesced buffer or the flattened copy; rank 0 the flattened copy and its slice next to the base it read
+        # (memory-mapped weights become private copies as the broadcast writes back into them).
+        rank0 = (t.reader + unit / t.n if t.converted else t.own_shard + unit) + t.adapter + unit
+        other = t.own_shard + t.quant_state + t.adapter + 2 * unit
+    elif t.shards_on_host:  # the shards replace rank 0's host copy as it goes: about one base on the machine
+        rank0 = max(t.reader + t.adapter + unit / t.n, t.adapter + t.own_shard + unit)
+        other = t.quant_state + t.adapter + unit / t.n
+    else:
+        rank0, other = t.reader + t.adapter, t.quant_state + t.adapter
+    if t.on_gpu:
+        gpu = (0.0 if run.offload else t.own_shard + t.quant_state + t.adapter) + unit + unit / t.n
+    p.assumptions.append("load (FSDP1): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the other "
+                         "ranks build on the meta device; sync_module_states moves one unit at a time to the device "
+                         f"(the largest: {unit / GIB:.2f} GiB), broadcasts it and keeps each rank's slice (measured "
+                         "on 2 CPU processes; the GPU copy and offload read from torch's code)")
+    return gpu, rank0, other
+
+
+def fsdp2_load(t: LoadTerms, p: Plan) -> tuple[float, float, float]:
+    """accelerate's fsdp2_load_full_state_dict, per tensor: rank 0 broadcasts it whole, each rank receives it into a
+    buffer of its size and distribute_tensor scatters the slices into new tensors. The peak is the slices kept so far,
+    the tensor in flight and its new slice: at most every slice and the largest tensor (measured at 2.2 GiB: rank 1
+    2.15 GiB for 1.10 of slices and a 1.0 GiB head). Rank 0's whole tensors are its base (CPU) or a copy of one at a
+    time on the device."""
+    if t.shards_on_host:
+        gpu, rank0, other = 0.0, t.reader + t.adapter + t.own_shard, t.quant_state + t.adapter + t.own_shard + t.largest
+    else:
+        gpu, rank0, other = t.own_shard + t.quant_state + t.adapter + t.largest, t.reader + t.adapter, 0.0
+    p.assumptions.append("load (FSDP2): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the other "
+                         "ranks build on the meta device; accelerate broadcasts one tensor at a time (the largest: "
+                         f"{t.largest / GIB:.2f} GiB) and each rank keeps its 1/{t.n} slice (measured on 2 CPU "
+                         "processes with a 2.2 GiB model)")
+    return gpu, rank0, other
+
+
+def zero3_load(t: LoadTerms, p: Plan) -> tuple[float, float, float]:
+    """sharding.partition_from_rank0, one module at a time: a rank > 0 gives the module real storage, receives it
+    whole from rank 0 and keeps its 1/n partition (the largest module: the embedding or the biggest linear)."""
+    if t.on_gpu:
+        gpu, rank0 = t.own_shard + t.quant_state + t.adapter + t.largest, t.reader + t.adapter
+        other = t.quant_state + t.adapter
+    else:  # measured on 2 gloo processes
+        gpu = 0.0
+        rank0 = (t.reader + t.largest / t.n if t.converted else t.own_shard) + t.adapter
+        other = t.own_shard + t.quant_state + t.adapter + t.largest
+    p.assumptions.append("load (ZeRO-3): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the other "
+                         "ranks build on the meta device; DeepSpeed broadcasts and partitions one module at a time "
+                         f"(the largest: {t.largest / GIB:.2f} GiB) (measured on 2 CPU processes)")
+    return gpu, rank0, other
+
+
+def unsharded_load(t: LoadTerms, shapes: Shapes, run: Run, base: float, p: Plan) -> tuple[float, float, float]:
+    """Every rank reads the whole model (one process, DDP, or an engine that loads on every rank)."""
+    gpu = 0.0
+    if t.on_gpu and run.method == "qlora" and shapes.expert_linear:  # loaded and split on the host, then moved
+        gpu, rank0 = base + t.adapter, t.reader
+    elif t.on_gpu and run.method == "qlora":
+        gpu, rank0 = base + t.adapter, shapes.largest_linear * getattr(torch, run.checkpoint_dtype).itemsize
+    elif t.on_gpu:
+        gpu, rank0 = base + t.adapter, t.reader
+    else:
+        rank0 = t.reader + t.adapter
+    if t.n > 1:
+        p.assumptions.append("load: every rank reads the whole checkpoint")
+    return gpu, rank0, rank0
 
 
 def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: float, sharded: bool) -> None:
@@ -369,90 +500,15 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     holds the base in host RAM (read, and quantized there for 4-bit), the other ranks nothing of it; then, one tensor
     at a time, rank 0 broadcasts the whole tensor, every other rank receives it into a buffer of its size, and each
     keeps its 1/n slice. The peak is each rank's own shard plus the largest tensor and its slice in flight."""
-    n = max(run.gpus, 1)
-    weight_bytes = 2 if run.precision == "bf16" else 4
-    qlora = run.method == "qlora"
-    quant = NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES
-    quant_state = shapes.linear * (quant - 0.5) if qlora else 0
-    shardable = base - quant_state  # the quantization state is not sharded: every rank keeps it whole
-    embedding = shapes.vocab * shapes.hidden * weight_bytes
-    largest = max(embedding, shapes.largest_linear * (0.5 if qlora else weight_bytes))
-    own_shard = shardable / n if sharded else shardable
-    on_gpu = run.device == "cuda"
-    shards_on_host = not on_gpu or run.offload
-    load_dtype = "bfloat16" if run.precision == "bf16" else "float32"
-    converted = qlora or run.checkpoint_dtype != load_dtype  # else the weights alias the memory-mapped file
-    reader = base if converted else 0.0
-    checkpoint_bytes = getattr(torch, run.checkpoint_dtype).itemsize
-    if qlora:
-        reader += shapes.largest_linear * checkpoint_bytes  # one weight in checkpoint dtype while it is quantized
-        # a mixture of experts: transformers loads the fused experts in 16 bits; moe.py quantizes them afterwards
-        reader += shapes.expert_linear * weight_bytes
-    fsdp_from_rank0 = run.engine == "fsdp" and run.weights_from_rank0 and n > 1
-    zero3 = run.engine == "deepspeed" and run.zero_stage == 3 and n > 1
-    gpu, rank0, other = 0.0, 0.0, 0.0
-    if fsdp_from_rank0 and run.fsdp_version == 1:
-        # sync_module_states, unit by unit (the decoder layers, then the root unit: embedding and head): the unit is
-        # materialized on every rank, broadcast from rank 0, flattened into one tensor and sliced.
-        unit = max(shapes.largest_layer * (quant if qlora else weight_bytes), shapes.outside_layers * weight_bytes)
-        if not on_gpu:
-            # Measured on 2 gloo processes: besides its slices (own_shard), a rank > 0 holds the unit and the
-            # broadcast's coalesced buffer or the flattened copy; rank 0 the flattened copy and its slice next to the
-            # base it read (memory-mapped weights become private copies as the broadcast writes back into them).
-            rank0 = (reader + unit / n if converted else own_shard + unit) + adapter + unit
-            other = own_shard + quant_state + adapter + 2 * unit
-        elif shards_on_host:  # the shards replace rank 0's host copy as it goes: about one base on the machine
-            rank0 = max(reader + adapter + unit / n, adapter + own_shard + unit)
-            other = quant_state + adapter + unit / n
-        else:
-            rank0, other = reader + adapter, quant_state + adapter
-        if on_gpu:
-            gpu = (0.0 if run.offload else own_shard + quant_state + adapter) + unit + unit / n
-        p.assumptions.append("load (FSDP1): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the "
-                             "other ranks build on the meta device; sync_module_states moves one unit at a time to "
-                             f"the device (the largest: {unit / GIB:.2f} GiB), broadcasts it and keeps each rank's "
-                             "slice (measured on 2 CPU processes; the GPU copy and offload read from torch's code)")
-    elif fsdp_from_rank0:
-        # accelerate's fsdp2_load_full_state_dict, per tensor: rank 0 broadcasts it whole, each rank receives it into
-        # a buffer of its size and distribute_tensor scatters the slices into new tensors. The peak is the slices
-        # kept so far, the tensor in flight and its new slice: at most every slice and the largest tensor (measured
-        # at 2.2 GiB: rank 1 2.15 GiB for 1.10 of slices and a 1.0 GiB head). Rank 0's whole tensors are its base
-        # (CPU) or a copy of one at a time on the device.
-        if shards_on_host:
-            rank0 = reader + adapter + own_shard
-            other = quant_state + adapter + own_shard + largest
-        else:
-            rank0, other = reader + adapter, 0.0
-            gpu = own_shard + quant_state + adapter + largest
-        p.assumptions.append("load (FSDP2): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the "
-                             "other ranks build on the meta device; accelerate broadcasts one tensor at a time (the "
-                             f"largest: {largest / GIB:.2f} GiB) and each rank keeps its 1/{n} slice (measured on 2 "
-                             "CPU processes with a 2.2 GiB model)")
-    elif zero3 and run.weights_from_rank0:
-        # sharding.partition_from_rank0, one module at a time: a rank > 0 gives the module real storage, receives it
-        # whole from rank 0 and keeps its 1/n partition (the largest module: the embedding or the biggest linear)
-        if on_gpu:
-            rank0, other = reader + adapter, quant_state + adapter
-            gpu = own_shard + quant_state + adapter + largest
-        else:  # measured on 2 gloo processes
-            rank0 = (reader + largest / n if converted else own_shard) + adapter
-            other = own_shard + quant_state + adapter + largest
-        p.assumptions.append("load (ZeRO-3): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the "
-                             "other ranks build on the meta device; DeepSpeed broadcasts and partitions one module at "
-                             f"a time (the largest: {largest / GIB:.2f} GiB) (measured on 2 CPU processes)")
-    else:  # every rank reads the whole model
-        if on_gpu and qlora and shapes.expert_linear:  # loaded and split on the host, then moved (configuration)
-            gpu, rank0 = base + adapter, reader
-        elif on_gpu and qlora:
-            gpu, rank0 = base + adapter, shapes.largest_linear * checkpoint_bytes
-        elif on_gpu:
-            gpu, rank0 = base + adapter, reader
-        else:
-            rank0 = reader + adapter
-        other = rank0
-        if n > 1:
-            p.assumptions.append("load: every rank reads the whole checkpoint")
-    if not converted:
+    t = load_terms(shapes, run, base, adapter, sharded)
+    n, on_gpu = t.n, t.on_gpu
+    if run.engine == "fsdp" and run.weights_from_rank0 and n > 1:
+        gpu, rank0, other = fsdp1_load(t, run, p) if run.fsdp_version == 1 else fsdp2_load(t, p)
+    elif run.engine == "deepspeed" and run.zero_stage == 3 and n > 1 and run.weights_from_rank0:
+        gpu, rank0, other = zero3_load(t, p)
+    else:
+        gpu, rank0, other = unsharded_load(t, shapes, run, base, p)
+    if not t.converted:
         p.assumptions.append("load: weights already in the load dtype are the memory-mapped checkpoint pages, which "
                              "the kernel can evict, and are not counted")
     processes = PROCESS_BASE_GIB * GIB * n
@@ -466,7 +522,7 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
                              "host machine": held + processes}
     else:  # p.host is one rank's, its process included; unsharded weights left in the checkpoint's dtype stay the
         # memory-mapped file's pages: no rank's own memory, one copy on the machine (read every step: kept resident)
-        mapped = base if not converted and not sharded and not qlora else 0.0
+        mapped = base if not t.converted and not sharded and run.method != "qlora" else 0.0
         held = (sum(p.host.values()) - PROCESS_BASE_GIB) * GIB - mapped
         p.phases["train"] = {"gpu": 0.0, "host rank 0": held, "host other rank": held if n > 1 else 0.0,
                              "host machine": held * n + mapped + processes}
@@ -555,10 +611,12 @@ class PhasePeaks:
 
     @classmethod
     def mark(cls, phase: str) -> None:
+        from distributed import Launch
+
         marks = os.environ.get(cls.MARKS_VARIABLE)
         if marks:
             with open(marks, "a") as out:
-                out.write(f"{os.environ.get('RANK', 0)} {os.getpid()} {phase} {time.time():.6f}\n")
+                out.write(f"{Launch.current().rank} {os.getpid()} {phase} {time.time():.6f}\n")
 
     def start(self, phase: str) -> None:
         self.end()

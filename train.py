@@ -28,11 +28,11 @@ from transformers import TrainerCallback, set_seed
 from arguments import ConfigError, parse_arguments
 from checkpoints import StopOnSignal, latest_complete, resume_point
 from checks import Problem, preflight
+from compat import TRL_SCORES_LABELLED_POSITIONS_ON_CPU
 from configuration import Configuration, gather, memory_plan, settle
-from distributed import trainer_class
+from distributed import Launch, trainer_class
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
-from fast_paths import score_labelled_positions_only
 from memory import PhasePeaks, return_freed_memory
 from moe import mark_zero3_leaves
 from report import TRAINING_KEYS, write_run_report
@@ -104,7 +104,7 @@ def run(argv: list[str]):
 
 
 def log(message: str) -> None:
-    if int(os.environ.get("RANK", 0)) == 0:
+    if Launch.current().rank == 0:
         print(message, flush=True)
 
 
@@ -116,7 +116,7 @@ def stop(problems: list[str]) -> None:
 
 def report_problems(problems: list[Problem]) -> None:
     """Every problem on its own line (rank 0 only); stop with exit code 2 if any is an error."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    if Launch.current().rank == 0:
         for problem in problems:
             print(f"{problem.level}: {problem}", file=sys.stderr, flush=True)
     if any(problem.level == "error" for problem in problems):
@@ -239,7 +239,7 @@ def every_rank(value):
 
 def build_trainer(config: Configuration, model, data: TrainingData):
     os.environ.update(config.environment)  # read by the Accelerator the Trainer builds (torch.compile's settings)
-    score_labelled_positions_only()
+    TRL_SCORES_LABELLED_POSITIONS_ON_CPU.apply()  # the LM head at labelled positions only, on CPU too
     step_times = StepTimes()
     trainer = trainer_class(config.cpu_engine)(
         model=model,

@@ -7,7 +7,6 @@ environment; `configuration.settle` decides what they are given.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import re
@@ -239,7 +238,9 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     if attention in (ATTENTION, EAGER_ATTENTION):
         register_attention(attention)
     quantization_config = build_quantization_config(model_args)
-    with zero3_config_hidden(weights_from_rank0):
+    from compat import transformers_zero3_hidden
+
+    with transformers_zero3_hidden(weights_from_rank0):
         model = load_causal_lm(
             model_args.model_name_or_path,
             dtype=dtype,
@@ -273,24 +274,6 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
-
-
-@contextlib.contextmanager
-def zero3_config_hidden(hide: bool):
-    """transformers refuses a device_map under ZeRO-3, which rank 0 / meta loading needs, and would build the model
-    inside zero.Init, where every rank reads the checkpoint (measured on 2 CPU processes: each grew 2.7 times the
-    model's bytes); sharding.partition_from_rank0 partitions the model after it is built instead."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    reference = hf_deepspeed._hf_deepspeed_config_weak_ref
-    if not (hide and hf_deepspeed.is_deepspeed_zero3_enabled()):
-        yield
-        return
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed.set_hf_deepspeed_config(reference())
 
 
 def build_peft_config(model_args, added_token_ids: list[int], model=None):

@@ -1,32 +1,97 @@
-"""Canaries for compat.py: each fails when the upstream code a patch relies on changes (then the patch is looked at
-again before it silently stops doing what it says)."""
+"""Canaries for compat.py: each fails when the upstream code a patch or a private name relies on changes (then the
+patch is looked at again before it silently stops doing what it says)."""
 
+import importlib
 import inspect
+
+import pytest
+import torch
 
 import compat
 
 
+@pytest.mark.parametrize("package, version", [("peft", compat.PEFT_VERSION), ("trl", compat.TRL_VERSION),
+                                              ("torch", compat.TORCH_VERSION), ("deepspeed", compat.DEEPSPEED_VERSION),
+                                              ("transformers", compat.TRANSFORMERS_VERSION)])
+def test_the_pinned_versions_are_the_ones_the_patches_were_written_for(package, version):
+    assert importlib.import_module(package).__version__.startswith(version)
+
+
+def test_a_patch_applies_once_and_undoes():
+    import trl.trainer.utils as trl_utils
+
+    patch, original = compat.TRL_SCORES_LABELLED_POSITIONS_ON_CPU, trl_utils._use_triton
+    was_applied = patch._applied
+    patch.undo()
+    original = trl_utils._use_triton
+    with patch:
+        patched = trl_utils._use_triton
+        patch.apply()  # idempotent: not wrapped twice
+        assert trl_utils._use_triton is patched and patched(torch.device("cpu"))
+    assert trl_utils._use_triton is original
+    if was_applied:
+        patch.apply()
+
+
+def test_trl_decides_the_compact_lm_head_with_use_triton_alone():
+    """`trl.trainer.utils` calls `_use_triton` once, to choose the compact (labelled positions only) head; the kernel
+    module keeps its own function for the kernel choice, which the patch leaves alone."""
+    import trl.trainer.utils as trl_utils
+    from trl.kernels import chunked_logprob
+
+    assert inspect.getsource(trl_utils).count("_use_triton(") == 1
+    assert "_use_triton" in vars(chunked_logprob)
+
+
+def test_torch_fsdp1_guard_is_where_the_patch_lifts_it():
+    from torch.distributed.fsdp import _init_utils
+
+    guard = inspect.getsource(_init_utils._check_module_states_for_sync_module_states)
+    assert "cpu" in guard.lower()
+    assert "_check_module_states_for_sync_module_states(" in inspect.getsource(_init_utils._sync_module_params_and_buffers) \
+        or "_check_module_states_for_sync_module_states(" in inspect.getsource(_init_utils)
+
+
+def test_deepspeed_lists_its_shm_comm_op_among_the_compatible_ops():
+    import deepspeed.ops
+
+    assert "deepspeed_shm_comm" in deepspeed.ops.__compatible_ops__
+
+
 def test_peft_rewrites_moe_targets_where_the_patch_expects():
-    """compat.peft_keeps_split_experts replaces two module attributes of peft.utils.transformers_weight_conversion;
-    PEFT imports both from that module at call time, so the replacement is what runs."""
-    import peft
+    """The PEFT patch replaces two attributes of peft.utils.transformers_weight_conversion; PEFT imports both from that
+    module at call time, so the replacement is what runs."""
     from peft.tuners.tuners_utils import BaseTuner
     from peft.utils import save_and_load
 
-    assert peft.__version__.startswith(compat.PEFT_VERSION)
     inject = inspect.getsource(BaseTuner.inject_adapter)
     assert "from peft.utils.transformers_weight_conversion import" in inject
     assert "convert_peft_config_for_transformers(" in inject
     load = inspect.getsource(save_and_load.set_peft_model_state_dict)
     assert "from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers" \
         in load
-
-
-def test_the_patch_passes_stock_models_through_and_stops_only_for_split_experts():
-    from peft.utils import transformers_weight_conversion as conversion
-
     compat.peft_keeps_split_experts()
     compat.peft_keeps_split_experts()  # once only, however often it is asked
-    assert conversion.convert_peft_config_for_transformers.__wrapped__.__module__ == conversion.__name__
-    assert conversion.convert_peft_adapter_state_dict_for_transformers.__wrapped__.__module__ == conversion.__name__
+    from peft.utils import transformers_weight_conversion as conversion
+
     assert not hasattr(conversion.convert_peft_config_for_transformers.__wrapped__, "__wrapped__")
+
+
+@pytest.mark.parametrize("module, name, use", compat.PRIVATE_NAMES, ids=[n for _, n, _ in compat.PRIVATE_NAMES])
+def test_each_private_name_the_recipe_uses_is_still_there(module, name, use):
+    holder = importlib.import_module(module)
+    owner, _, attribute = name.rpartition(".")
+    if owner:
+        holder = getattr(holder, owner)
+    if attribute in ("_fqns",):  # an instance attribute: set in the class's own code
+        assert f"self.{attribute}" in inspect.getsource(holder)
+    else:
+        assert hasattr(holder, attribute), use
+
+
+def test_writing_a_modules_parameters_dict_replaces_the_parameter():
+    """sharding.py swaps parameters through `module._parameters[name]` (no registration checks, no hooks)."""
+    layer = torch.nn.Linear(2, 2)
+    replacement = torch.nn.Parameter(torch.zeros(2, 2))
+    layer._parameters["weight"] = replacement
+    assert dict(layer.named_parameters())["weight"] is replacement

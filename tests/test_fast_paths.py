@@ -1,11 +1,11 @@
 """The waste fast_paths.py removes: each shortcut gives the numbers of the long way round, and is in effect."""
 
-import inspect
 
 import pytest
 import torch
 
-from fast_paths import register_attention, score_labelled_positions_only
+from compat import TRL_SCORES_LABELLED_POSITIONS_ON_CPU
+from fast_paths import register_attention
 from training_data import ORIGIN, tokenize_splits
 
 
@@ -74,9 +74,7 @@ def test_lm_head_projects_only_the_labelled_positions(tiny_model_dir, smol_token
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    # The shortcut rests on TRL using this name for the compaction decision only (the kernel choice has its own)
-    assert inspect.getsource(trl_utils).count("_use_triton(") == 1
-    score_labelled_positions_only()
+    TRL_SCORES_LABELLED_POSITIONS_ON_CPU.apply()  # its canary: tests/test_compat.py
     model = load(tiny_model_dir, register_attention())
     trainer = SFTTrainer(model=model, processing_class=smol_tokenizer, train_dataset=Dataset.from_list(examples),
                          args=SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none",
