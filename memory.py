@@ -420,6 +420,10 @@ def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: b
                               shapes.outside_layers * weight_bytes))
 
 
+READ_ON_RANK0 = ("rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the other ranks build on the "
+                 "meta device")
+
+
 def fsdp1_load(t: LoadTerms, run: Run, p: Plan) -> tuple[float, float, float]:
     """sync_module_states, unit by unit (the decoder layers, then the root unit: embedding and head): the unit is
     materialized on every rank, broadcast from rank 0, flattened into one tensor and sliced. (gpu, rank 0, other)"""
@@ -437,8 +441,7 @@ def fsdp1_load(t: LoadTerms, run: Run, p: Plan) -> tuple[float, float, float]:
         rank0, other = t.reader + t.adapter, t.quant_state + t.adapter
     if t.on_gpu:
         gpu = (0.0 if run.offload else t.own_shard + t.quant_state + t.adapter) + unit + unit / t.n
-    p.assumptions.append("load (FSDP1): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the other "
-                         "ranks build on the meta device; sync_module_states moves one unit at a time to the device "
+    p.assumptions.append(f"load (FSDP1): {READ_ON_RANK0}; sync_module_states moves one unit at a time to the device "
                          f"(the largest: {unit / GIB:.2f} GiB), broadcasts it and keeps each rank's slice (measured "
                          "on 2 CPU processes; the GPU copy and offload read from torch's code)")
     return gpu, rank0, other
@@ -454,8 +457,7 @@ def fsdp2_load(t: LoadTerms, p: Plan) -> tuple[float, float, float]:
         gpu, rank0, other = 0.0, t.reader + t.adapter + t.own_shard, t.quant_state + t.adapter + t.own_shard + t.largest
     else:
         gpu, rank0, other = t.own_shard + t.quant_state + t.adapter + t.largest, t.reader + t.adapter, 0.0
-    p.assumptions.append("load (FSDP2): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the other "
-                         "ranks build on the meta device; accelerate broadcasts one tensor at a time (the largest: "
+    p.assumptions.append(f"load (FSDP2): {READ_ON_RANK0}; accelerate broadcasts one tensor at a time (the largest: "
                          f"{t.largest / GIB:.2f} GiB) and each rank keeps its 1/{t.n} slice (measured on 2 CPU "
                          "processes with a 2.2 GiB model)")
     return gpu, rank0, other
@@ -471,8 +473,7 @@ def zero3_load(t: LoadTerms, p: Plan) -> tuple[float, float, float]:
         gpu = 0.0
         rank0 = (t.reader + t.largest / t.n if t.converted else t.own_shard) + t.adapter
         other = t.own_shard + t.quant_state + t.adapter + t.largest
-    p.assumptions.append("load (ZeRO-3): rank 0 reads the checkpoint into host RAM (4-bit: quantized there), the other "
-                         "ranks build on the meta device; DeepSpeed broadcasts and partitions one module at a time "
+    p.assumptions.append(f"load (ZeRO-3): {READ_ON_RANK0}; DeepSpeed broadcasts and partitions one module at a time "
                          f"(the largest: {t.largest / GIB:.2f} GiB) (measured on 2 CPU processes)")
     return gpu, rank0, other
 
