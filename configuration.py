@@ -162,6 +162,7 @@ class Configuration:
     token_on_command_line: bool = False  # --hub_token was a flag: every user of the machine can read it (ps)
     base_model_id: str | None = None  # the base as the adapter records it: a Hub id (None: a local folder, unknown)
     decisions: list[Decision] = field(default_factory=list)
+    decided: dict[str, Any] = field(default_factory=dict)  # SFTConfig values settle decided (in the final SFTConfig)
 
     @property
     def launch(self) -> Launch:
@@ -198,14 +199,20 @@ def settle(request: Request, facts: Facts) -> Configuration:
 
     refuse_engine_flags(request.training)
     values, decisions = training_values(request, facts)
-    try:
-        training = SFTConfig(**values)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"invalid training arguments: {err}") from None
-    config = Configuration(request.model, request.data, training, facts, decisions=decisions,
+
+    def training_arguments(values: dict):
+        try:
+            return SFTConfig(**values)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"invalid training arguments: {err}") from None
+
+    # The user's and the defaulted values, which the decisions below read; they write what they decide into
+    # config.decided, and the SFTConfig the Trainer receives is built from both at the end, never edited afterwards.
+    asked = training_arguments(values)
+    config = Configuration(request.model, request.data, asked, facts, decisions=decisions,
                            token_on_command_line=request.token_on_command_line,
                            base_model_id=hub_id_of(request.model.model_name_or_path, request.model.base_model_id),
-                           dtype=load_dtype(request.model, training), max_length=training.max_length)
+                           dtype=load_dtype(request.model, asked), max_length=asked.max_length)
     checkpointing_given = bool({"activation_checkpointing", "gradient_checkpointing"} & set(request.training))
     for decide in (decide_base_model_id, decide_attention):  # attention before the plan: eager keeps its scores
         decide(config)
@@ -214,6 +221,7 @@ def settle(request: Request, facts: Facts) -> Configuration:
     for decide in (decide_checkpointing_kwargs, decide_lengths, decide_placement, decide_loading, decide_cpu_engine,
                    decide_compile, decide_publishing):
         decide(config)
+    config.training = training_arguments({**values, **config.decided})
     return config
 
 
@@ -273,22 +281,21 @@ def decide_attention(config: Configuration) -> None:
 
 def decide_checkpointing_kwargs(config: Configuration) -> None:
     """transformers 5 picks non-reentrant when no kwargs are given; ZeRO-3 + LoRA needs reentrant."""
-    training = config.training
-    if not training.activation_checkpointing:
+    if not config.decided.get("activation_checkpointing", config.training.activation_checkpointing):
         return
     reentrant, why = config.model.use_reentrant, "from --use_reentrant"
     if not reentrant and config.launch.zero_stage == 3 and config.uses_peft:  # what TRL does (it warns too)
         reentrant, why = True, ("--use_reentrant false overridden: ZeRO-3 + LoRA cannot recompute non-reentrant "
                                 "checkpoints ('Recomputed values ... shape [0]'); TRL overrides it the same way")
-    training.activation_checkpointing_kwargs = {"use_reentrant": reentrant}
-    config.decisions.append(Decision("activation_checkpointing_kwargs", training.activation_checkpointing_kwargs, why))
+    config.decided["activation_checkpointing_kwargs"] = {"use_reentrant": reentrant}
+    config.decisions.append(Decision("activation_checkpointing_kwargs", {"use_reentrant": reentrant}, why))
 
 
 def decide_lengths(config: Configuration) -> None:
     """The recipe truncates each example itself; TRL's own max_length goes where it would not enforce it."""
     training = config.training
     if training.padding_free and not training.packing:
-        training.max_length = None
+        config.decided["max_length"] = None
         config.decisions.append(Decision("max_length (TRL)", None, f"padding-free batches: the recipe truncates each "
                                          f"example to {config.max_length} tokens itself; TRL refuses a length it "
                                          "would not enforce"))
@@ -354,11 +361,11 @@ def decide_publishing(config: Configuration) -> None:
     training = config.training
     if training.push_to_hub:
         config.publish_to = training.hub_model_id or Path(training.output_dir).name
-        training.push_to_hub = False
+        config.decided["push_to_hub"] = False
         config.decisions.append(Decision("publish to", config.publish_to, "export.publish after the final save, "
                                          "private unless --hub_private_repo false"))
     if training.hub_token:
-        config.hub_token, training.hub_token = training.hub_token, None
+        config.hub_token, config.decided["hub_token"] = training.hub_token, None
         config.decisions.append(Decision("hub_token", "kept out of the training arguments", "they are pickled into "
                                          "every checkpoint; the token is passed to the loaders and the upload only"))
 
@@ -447,7 +454,7 @@ def decide_activation_checkpointing(config: Configuration) -> None:
             decision = Decision("activation_checkpointing", False, f"the memory plan needs {without:.1f} GiB {where} "
                                 f"without it and there are {capacity:.0f} GiB (it costs about a third more compute)")
         else:
-            config.training.activation_checkpointing = True
+            config.decided["activation_checkpointing"] = True
             decision = Decision("activation_checkpointing", True, f"the memory plan needs {without:.1f} GiB {where} "
                                 f"without it, {needed(True):.1f} GiB with it, and there are {capacity:.0f} GiB "
                                 "(--activation_checkpointing false keeps it off)")

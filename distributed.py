@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Mapping
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 import yaml
 from trl import SFTTrainer
+
+from checkpoints import CompleteCheckpointsMixin
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
@@ -136,13 +139,15 @@ class CpuEngineSFTTrainer(SFTTrainer):
     (`cpu_fsdp_plugin`), or the DeepSpeed plugin the training arguments built from it; then the same
     `accelerator.prepare` path runs as on GPUs. Set `engine` ("fsdp" or "deepspeed") in a subclass."""
 
-    engine = "fsdp"
+    def __init__(self, *args, engine: str = "fsdp", launch: Launch | None = None, **kwargs):
+        self.engine, self.launch = engine, launch or Launch.current()  # read while the Trainer builds its Accelerator
+        super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         from accelerate.state import PartialState
         from accelerate.utils import DistributedType
 
-        launch = Launch.current()
+        launch = self.launch
         with without_fsdp1_device_settings(launch):  # the Accelerator builds an FSDP plugin from the env, even on CPU
             super().create_accelerator_and_postprocess()
         state = self.accelerator.state
@@ -224,15 +229,20 @@ def without_fsdp1_device_settings(launch: Launch):
                 os.environ[name] = value
 
 
-def trainer_class(cpu_engine: str | None) -> type[SFTTrainer]:
-    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py), kept on FSDP or DeepSpeed (`cpu_engine`) on a
-    host without an accelerator."""
-    from checkpoints import CompleteCheckpointsMixin
+class RecipeSFTTrainer(CompleteCheckpointsMixin, SFTTrainer):
+    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py)."""
 
+
+class RecipeCpuEngineSFTTrainer(CompleteCheckpointsMixin, CpuEngineSFTTrainer):
+    """The same, keeping FSDP or DeepSpeed on a host without an accelerator."""
+
+
+def trainer_class(cpu_engine: str | None, launch: Launch | None = None):
+    """The trainer to build: RecipeSFTTrainer, or RecipeCpuEngineSFTTrainer with the engine (`cpu_engine`: "fsdp" or
+    "deepspeed") and the settled launch."""
     if cpu_engine is None:
-        return type("RecipeSFTTrainer", (CompleteCheckpointsMixin, SFTTrainer), {})
-    return type(f"RecipeCpu{cpu_engine.title()}SFTTrainer", (CompleteCheckpointsMixin, CpuEngineSFTTrainer),
-                {"engine": cpu_engine})
+        return RecipeSFTTrainer
+    return functools.partial(RecipeCpuEngineSFTTrainer, engine=cpu_engine, launch=launch)
 
 
 def launch_environment(launch_args: list[str]) -> dict[str, str]:

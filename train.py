@@ -241,7 +241,7 @@ def build_trainer(config: Configuration, model, data: TrainingData):
     os.environ.update(config.environment)  # read by the Accelerator the Trainer builds (torch.compile's settings)
     TRL_SCORES_LABELLED_POSITIONS_ON_CPU.apply()  # the LM head at labelled positions only, on CPU too
     step_times = StepTimes()
-    trainer = trainer_class(config.cpu_engine)(
+    trainer = trainer_class(config.cpu_engine, config.launch)(
         model=model,
         args=config.training,
         train_dataset=data.datasets["train"],

@@ -130,3 +130,52 @@ def test_gather_reads_the_model_the_tokenizer_and_the_switch(tiny_model_dir, mon
     monkeypatch.setenv("RECIPE_NATIVE_BF16", "yes")
     with pytest.raises(ConfigError, match="use 0 .* or 1"):  # train.py prints it as one error line
         gather(parse_arguments(["--model_name_or_path", str(tiny_model_dir)]))
+
+
+LLAMA = {"model_config": "llama-2-7b"}
+MIXTRAL = {"model_config": "configs/models/Mixtral-8x7B-v0.1"}
+FSDP2_FROM_RANK0 = Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+                           "WORLD_SIZE": "2"}, 2)
+GPU_HERE = {"cuda": True, "here": True, "gpu_gib": 80}
+# Each of settle's decisions: (the setting it records, where it fires: flags and facts, where it does not)
+DECISIONS = [
+    ("use_cpu", ([], {}), ([], GPU_HERE)),
+    ("bf16", ([], {}), (["--bf16", "false"], {})),
+    ("padding_free", ([], {}), (["--padding_free", "false"], {})),
+    ("base model recorded as", (["--model_name_or_path", "models/x", "--base_model_id", "org/x"], {}),
+     (["--model_name_or_path", "org/x"], {})),
+    ("activation_checkpointing", ([], {**GPU_HERE, **LLAMA}), (["--activation_checkpointing", "false"],
+                                                             {**GPU_HERE, **LLAMA})),
+    ("activation_checkpointing_kwargs", (["--activation_checkpointing", "true"], {}), ([], {})),
+    ("max_length (TRL)", ([], {}), (["--padding_free", "false"], {})),
+    ("device_map", (["--use_4bit_quantization", "true"], GPU_HERE), ([], GPU_HERE)),
+    ("experts", ([], MIXTRAL), ([], LLAMA)),
+    ("loading", ([], {"launch": FSDP2_FROM_RANK0}), ([], {})),
+    ("engine on CPU", ([], {"launch": FSDP2_FROM_RANK0}), ([], {})),
+    ("torch_compile", (["--torch_compile", "true"], {}), ([], {})),
+    ("publish to", (["--push_to_hub", "true"], {}), ([], {})),
+    ("hub_token", (["--hub_token", "hf_x"], {}), ([], {})),
+]
+
+
+def settled_with(argv, facts):
+    facts = dict(facts)
+    if "model_config" in facts:
+        facts["model_config"] = load_config(facts["model_config"])
+    return settled(argv, **facts)
+
+
+@pytest.mark.parametrize("setting, fires, quiet", DECISIONS, ids=[d[0] for d in DECISIONS])
+def test_each_decision_fires_where_it_applies_and_not_elsewhere(setting, fires, quiet):
+    assert setting in decided(settled_with(*fires))
+    assert setting not in decided(settled_with(*quiet))
+
+
+def test_the_trainers_arguments_are_built_once_from_what_was_decided():
+    """settle's decisions land in the SFTConfig the Trainer receives, which is built after them."""
+    config = settled(["--activation_checkpointing", "true", "--push_to_hub", "true", "--hub_token", "hf_x"])
+    assert config.decided == {"activation_checkpointing_kwargs": {"use_reentrant": True}, "max_length": None,
+                              "push_to_hub": False, "hub_token": None}
+    training = config.training
+    assert training.activation_checkpointing_kwargs == {"use_reentrant": True} and training.max_length is None
+    assert training.push_to_hub is False and training.hub_token is None and config.hub_token == "hf_x"
