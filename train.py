@@ -33,7 +33,7 @@ from configuration import Configuration, gather, memory_plan, settle
 from distributed import Launch, trainer_class
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
-from memory import PhasePeaks, return_freed_memory
+from run_memory import PhasePeaks, return_freed_memory
 from moe import mark_zero3_leaves
 from report import TRAINING_KEYS, write_run_report
 from sharding import gather_adapter, hand_to_the_engine, save_fsdp1_adapter, zero3_config

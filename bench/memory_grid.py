@@ -7,7 +7,7 @@ Each case is a real `train.py` run (one process, or `accelerate launch` of a shi
 random-weight model of a real architecture (Llama, Qwen2, Gemma-2) of 2-4 GiB, shaped so that memory is large and
 compute small: wide vocabularies and embeddings, one or two decoder layers, two steps. A sampler in this process reads
 `/proc/<pid>/status` of every process of the run every 20 ms (RssAnon: what the process holds, not the memory-mapped
-checkpoint pages the kernel can drop). The run marks where each phase starts (`memory.PhasePeaks`, through the
+checkpoint pages the kernel can drop). The run marks where each phase starts (`run_memory.PhasePeaks`, through the
 RECIPE_PHASE_MARKS file), so each rank's peak in each phase is set against the plan `train.py --check` makes for the
 same flags. The recipe's own accounting (run_summary.json) is not used.
 """

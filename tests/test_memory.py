@@ -99,7 +99,7 @@ import json, sys
 sys.path.insert(0, {repo!r})
 import torch
 from trl.kernels import ChunkedLogProbFunction
-from memory import GIB, PhasePeaks
+from run_memory import GIB, PhasePeaks
 
 def peak_bytes_per_element(softcap):
     hidden = torch.randn(1024, 64, requires_grad=True)
@@ -129,7 +129,8 @@ def test_the_loss_backward_holds_what_the_plan_counts_per_tile_element():
 
     from conftest import REPO
 
-    from memory import LOSS_TILE_SOFTCAP_BYTES, LOSS_TILE_TORCH_BYTES, MMAP_THRESHOLD_BYTES
+    from memory import LOSS_TILE_SOFTCAP_BYTES, LOSS_TILE_TORCH_BYTES
+    from run_memory import MMAP_THRESHOLD_BYTES
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
     result = subprocess.run([sys.executable, "-c", LOSS_TILE_PROBE.format(repo=str(REPO))], capture_output=True,
