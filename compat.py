@@ -129,9 +129,9 @@ def peft_keeps_split_experts() -> None:
 
 
 def has_split_experts(model) -> bool:
-    from moe import ExpertLinears
+    from moe import has_split_experts
 
-    return any(isinstance(module, ExpertLinears) for module in model.modules())
+    return has_split_experts(model)
 
 
 @contextlib.contextmanager

@@ -213,7 +213,7 @@ def settle(request: Request, facts: Facts) -> Configuration:
                            token_on_command_line=request.token_on_command_line,
                            base_model_id=hub_id_of(request.model.model_name_or_path, request.model.base_model_id),
                            dtype=load_dtype(request.model, asked), max_length=asked.max_length)
-    checkpointing_given = bool({"activation_checkpointing", "gradient_checkpointing"} & set(request.training))
+    checkpointing_given = checkpointing_asked(request.training)
     for decide in (decide_base_model_id, decide_attention):  # attention before the plan: eager keeps its scores
         decide(config)
     if not checkpointing_given:
@@ -234,6 +234,11 @@ def refuse_engine_flags(given: dict) -> None:
                           "`accelerate launch --config_file configs/fsdp2_config.yaml train.py ...` (FSDP) or "
                           "configs/deepspeed_config.yaml (ZeRO-3); configs/README.md lists them, and `python "
                           "distributed.py translate` turns one engine's config into the other's.")
+
+
+def checkpointing_asked(given: dict) -> bool:
+    """`gradient_checkpointing` is the old name of `activation_checkpointing`: a user who sets either decides."""
+    return bool({"activation_checkpointing", "gradient_checkpointing"} & set(given))
 
 
 def training_values(request: Request, facts: Facts) -> tuple[dict, list[Decision]]:
@@ -261,8 +266,7 @@ def training_values(request: Request, facts: Facts) -> tuple[dict, list[Decision
         default("padding_free", False, "wrapped packing cuts examples anyway; TRL advises against padding-free there")
     else:
         default("padding_free", True, "one row per batch, no pad tokens; attention stays within each example")
-    # `gradient_checkpointing` is the old name of `activation_checkpointing`: a user who sets either decides
-    if not {"activation_checkpointing", "gradient_checkpointing"} & set(given):
+    if not checkpointing_asked(given):
         values["activation_checkpointing"] = False  # TRL turns it on; decided from the memory plan
     return values, decisions
 

@@ -390,6 +390,7 @@ class LoadTerms(NamedTuple):
     converted: bool  # the weights are new memory (4-bit, or another dtype than the checkpoint's)
     on_gpu: bool
     shards_on_host: bool  # the shards live in host RAM (a CPU run, or offload)
+    checkpoint_bytes: int  # per weight in the checkpoint's dtype
     unit: float  # FSDP1's largest unit: a decoder layer or the root (embedding and head)
 
 
@@ -404,8 +405,9 @@ def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: b
     load_dtype = "bfloat16" if run.precision == "bf16" else "float32"
     converted = qlora or run.checkpoint_dtype != load_dtype  # else the weights alias the memory-mapped file
     reader = base if converted else 0.0
+    checkpoint_bytes = getattr(torch, run.checkpoint_dtype).itemsize
     if qlora:
-        reader += shapes.largest_linear * getattr(torch, run.checkpoint_dtype).itemsize  # one weight being quantized
+        reader += shapes.largest_linear * checkpoint_bytes  # one weight in the checkpoint's dtype being quantized
         # a mixture of experts: transformers loads the fused experts in 16 bits; moe.py quantizes them afterwards
         reader += shapes.expert_linear * weight_bytes
     on_gpu = run.device == "cuda"
@@ -413,6 +415,7 @@ def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: b
                      quant_state=quant_state,
                      largest=max(embedding, shapes.largest_linear * (0.5 if qlora else weight_bytes)),
                      converted=converted, on_gpu=on_gpu, shards_on_host=not on_gpu or run.offload,
+                     checkpoint_bytes=checkpoint_bytes,
                      unit=max(shapes.largest_layer * (quant if qlora else weight_bytes),
                               shapes.outside_layers * weight_bytes))
 
@@ -481,7 +484,7 @@ def unsharded_load(t: LoadTerms, shapes: Shapes, run: Run, base: float, p: Plan)
     if t.on_gpu and run.method == "qlora" and shapes.expert_linear:  # loaded and split on the host, then moved
         gpu, rank0 = base + t.adapter, t.reader
     elif t.on_gpu and run.method == "qlora":
-        gpu, rank0 = base + t.adapter, shapes.largest_linear * getattr(torch, run.checkpoint_dtype).itemsize
+        gpu, rank0 = base + t.adapter, shapes.largest_linear * t.checkpoint_bytes
     elif t.on_gpu:
         gpu, rank0 = base + t.adapter, t.reader
     else:

@@ -151,18 +151,17 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None, four_bit: FourBit | 
 def split(module: nn.Module, layout: Layout, four_bit: FourBit | None) -> ExpertLinears:
     """`module`'s experts as ExpertLinears (the fused parameters are released by the caller's replacement)."""
     gate_up, down = module.gate_up_proj, module.down_proj
+    glu = gpt_oss_glu(module.alpha, module.limit) if layout.interleaved else standard_glu(module.act_fn)
     experts = ExpertLinears()
     for e in range(gate_up.shape[0]):
         if layout.interleaved:  # x @ W: the transposes are the linear weights; gate and up alternate in the columns
             w, b = gate_up[e].t(), module.gate_up_proj_bias[e]
             parts = [(w[0::2], b[0::2]), (w[1::2], b[1::2]), (down[e].t(), module.down_proj_bias[e])]
-            glu = gpt_oss_glu(module.alpha, module.limit)
+            if four_bit is None:  # strided views: one contiguous copy each, once
+                parts = [(w.contiguous(), b.contiguous()) for w, b in parts]
         else:
             half = gate_up.shape[1] // 2
             parts = [(gate_up[e, :half], None), (gate_up[e, half:], None), (down[e], None)]
-            glu = standard_glu(module.act_fn)
-        if layout.interleaved and four_bit is None:  # strided views: one contiguous copy each, once
-            parts = [(w.contiguous(), b.contiguous()) for w, b in parts]
         gate, up, down_linear = (linear(w, b, four_bit) for w, b in parts)
         experts.append(Expert(layout, gate, up, down_linear, glu))
     return experts
@@ -191,6 +190,10 @@ def split_experts(model: nn.Module, quantization_config=None) -> dict[str, int]:
     return counts
 
 
+def has_split_experts(model: nn.Module) -> bool:
+    return any(isinstance(module, ExpertLinears) for module in model.modules())
+
+
 def is_moe(config) -> bool:
     """The model routes tokens to experts (its config names how many)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -208,7 +211,7 @@ def mark_zero3_leaves(model: nn.Module) -> int:
     """Each MoE layer's experts as one ZeRO-3 leaf (DeepSpeed's set_z3_leaf_modules): their parameters are gathered
     whole on entry, on every rank, so no rank waits in an all-gather for an expert its tokens never reached while
     another rank's did. Returns how many layers were marked."""
-    if not any(isinstance(module, ExpertLinears) for module in model.modules()):
+    if not has_split_experts(model):
         return 0
     from deepspeed.utils import set_z3_leaf_modules
 
