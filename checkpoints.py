@@ -76,8 +76,15 @@ def rotate(output_dir: str | Path, limit: int | None, protected: set[Path]) -> l
 class CompleteCheckpointsMixin:
     """For a Trainer class: completion markers and safe rotation around the Trainer's own checkpoint save."""
 
-    resumed_from: str | None = None
-    signals: StopOnSignal | None = None  # told when a save is in progress, which no second signal interrupts
+    def __init__(self, *args, signals: StopOnSignal | None = None, resume: str | None = None, **kwargs):
+        """`signals`: stops training at the end of a step with a checkpoint, and is told when a save is in progress
+        (which no second signal interrupts). `resume`: --resume_from_checkpoint, resolved once the Trainer has set up
+        the process group, the same on every rank (`resumed_from`, never rotated away)."""
+        super().__init__(*args, **kwargs)
+        self.signals = signals
+        if signals is not None:
+            self.add_callback(signals)
+        self.resumed_from = resume_point(resume, self.args.output_dir)
 
     def _save_checkpoint(self, model, trial) -> None:
         with self.signals.saving_checkpoint() if self.signals else nullcontext():

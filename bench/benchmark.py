@@ -277,7 +277,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "benchmark.json"))
     args = parser.parse_args()
 
-    from utils import DEFAULT_MODEL_DIR, convert_default_model, native_bf16_supported
+    from hardware import native_bf16_supported
+
+    from model_files import DEFAULT_MODEL_DIR, convert_default_model
 
     convert_default_model()
     precision = "bf16" if native_bf16_supported() else "fp32"

@@ -41,7 +41,7 @@ METHODS = {"lora": [], "qlora": ["--use_4bit_quantization", "true"], "lora-compi
 def recipe_tokenizer_dir() -> Path:
     """SmolLM2's tokenizer files: the converted default model's, or those files alone (bench/gpu_check.py carries them
     to a GPU machine instead of the 98 MB GGUF package)."""
-    from utils import DEFAULT_MODEL_DIR, convert_default_model
+    from model_files import DEFAULT_MODEL_DIR, convert_default_model
 
     folder = Path(DEFAULT_MODEL_DIR)
     return folder if (folder / "tokenizer.json").is_file() else convert_default_model()
@@ -75,7 +75,7 @@ def random_model(shape: str, work: Path, config: dict | None = None) -> Path:
 def train(model_dir: Path, data: Path, work: Path, method: str, steps: int, batch: int, seq: int) -> dict:
     from benchmark import PEAK, recipe_argv, run
     from report import memory_against_plan, read_summary
-    from utils import is_flash_attn_installed
+    from hardware import is_flash_attn_installed
 
     # FlashAttention's varlen kernel where it is installed (CUDA); the recipe's sdpa_varlen otherwise
     flash = ["--use_flash_attn", "true"] if torch.cuda.is_available() and is_flash_attn_installed() else []
@@ -109,7 +109,7 @@ def measure(shape: str, steps: int, batch: int, seq: int, methods: list[str], wo
     """Each method's run of train.py on a random model of `shape`, with MFU against the datasheet and the measured
     peak; the 70B QLoRA one-GPU plan beside them. `on_result(method, row)` is called as each run ends."""
     from benchmark import data_shape, flops_per_token, matmul_peak_gflops, prompt_completion_copy
-    from utils import native_bf16_supported
+    from hardware import native_bf16_supported
 
     model_dir = random_model(shape, work)
     data = prompt_completion_copy(REPO / "data" / "dates", work / "dates-prompt-completion")

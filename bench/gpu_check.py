@@ -328,7 +328,7 @@ print("LOADED " + json.dumps({{"sharded": config.launch.sharded, "device_map": s
 
 def loading(dry_run: bool, work: Path) -> dict:
     """QLoRA under the FSDP environment `accelerate launch --config_file configs/fsdp_config_qlora.yaml` exports."""
-    from distributed import launch_environment
+    from launch import launch_environment
 
     model_dir = launcher_model(dry_run, work)
     env = launch_environment(["--config_file", "configs/fsdp_config_qlora.yaml", "--num_processes", "1", "train.py"])

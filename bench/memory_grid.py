@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ def make_model(name: str, cache: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from utils import convert_default_model
+    from model_files import convert_default_model
 
     out, made = cache / name, cache / f"{name}.made"  # written last: a run killed while saving starts over
     if made.exists():
@@ -272,7 +272,7 @@ def planned(case: Case, model_dir: Path, data_dir: Path, out: Path) -> dict[str,
 
     from arguments import parse_arguments
     from configuration import gather, memory_plan, settle
-    from distributed import Launch, launch_environment
+    from launch import Launch, launch_environment
 
     request = parse_arguments(case.flags(model_dir, data_dir, out))
     facts = gather(request)  # this process: one CPU process

@@ -74,7 +74,7 @@ def losses(log_history) -> list[float]:
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    from utils import convert_default_model
+    from model_files import convert_default_model
 
     return convert_default_model()
 

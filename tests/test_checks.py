@@ -5,9 +5,9 @@ from conftest import settled
 
 import checks
 from checks import preflight
-from distributed import Launch, launch_environment
+from launch import Launch, launch_environment
 from memory import load_config
-from utils import REPO_DIR
+from model_files import REPO_DIR
 
 CONFIGS = REPO_DIR / "configs"
 

@@ -6,7 +6,7 @@ from conftest import settled
 
 from arguments import RECIPE_DEFAULTS, ConfigError
 from configuration import gather
-from distributed import Launch
+from launch import Launch
 from memory import load_config
 
 
@@ -105,7 +105,7 @@ def test_torch_compile_exports_per_layer_settings_unless_the_launch_sets_them():
 
 
 def test_the_native_bf16_switch_overrides_the_probe(monkeypatch):
-    from utils import native_bf16_supported
+    from hardware import native_bf16_supported
 
     for value, expected in (("0", False), ("1", True)):
         monkeypatch.setenv("RECIPE_NATIVE_BF16", value)

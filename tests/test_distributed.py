@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import train
 from memory import Run, Shapes, load_config, plan
-from utils import REPO_DIR
+from model_files import REPO_DIR
 
 pytestmark = pytest.mark.multiprocess
 WORKER = REPO_DIR / "tests" / "fsdp_worker.py"

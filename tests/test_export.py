@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import export
 import train
-from utils import REPO_DIR
+from model_files import REPO_DIR
 
 pytestmark = pytest.mark.e2e
 TINY_ID = "someone/tiny-llama"  # the Hub id the tiny base stands for (recorded instead of its folder in /tmp)

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 from conftest import settled
 
-from distributed import launch_environment
-from utils import REPO_DIR
+from launch import launch_environment
+from model_files import REPO_DIR
 
 LAUNCHERS = sorted(REPO_DIR.glob("run_*.sh"))
 RECORDER = """#!/usr/bin/env python3

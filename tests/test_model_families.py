@@ -8,7 +8,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from fast_paths import attention_for, register_attention, sdpa_varlen_forward
-from utils import REPO_DIR
+from model_files import REPO_DIR
 
 WINDOW = 8  # shorter than the examples below, so a window that is ignored changes the numbers
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -12,7 +12,7 @@ from conftest import tiny_run_args
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import moe
-from utils import REPO_DIR
+from model_files import REPO_DIR
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=512)
@@ -297,7 +297,7 @@ def test_a_4bit_mixture_on_one_gpu_loads_on_the_host_and_moves_after_the_split()
     (gpt-oss-20b: 36 GiB), so the run loads on the host, splits and quantizes there, then moves."""
     from conftest import settled
 
-    from distributed import Launch
+    from launch import Launch
     from memory import load_config
 
     config = settled(["--model_name_or_path", "openai/gpt-oss-20b", "--use_4bit_quantization", "true"], cuda=True,

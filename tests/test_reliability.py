@@ -17,7 +17,7 @@ from conftest import tiny_run_args
 from safetensors.torch import load_file
 
 from checkpoints import COMPLETE, checkpoints, latest_complete, rotate
-from utils import REPO_DIR
+from model_files import REPO_DIR
 
 
 def recipe(model_dir, data_dir, out, steps=8, *extra):

@@ -145,7 +145,7 @@ def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
 
 def test_shipped_demo_data_is_what_the_generator_makes():
     from data.make_dates_dataset import make_splits
-    from utils import REPO_DIR
+    from model_files import REPO_DIR
 
     splits = make_splits(n_train=512, n_test=64, seed=0)
     for split, rows in splits.items():

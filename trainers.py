@@ -1,0 +1,133 @@
+"""The recipe's trainer: TRL's SFTTrainer with complete checkpoints and save-and-stop on a signal (checkpoints.py),
+told its signal handler and resume point when it is built; on a host without an accelerator, the same trainer keeping
+FSDP or DeepSpeed instead of the fallback accelerate picks there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from contextlib import contextmanager
+
+import torch
+from trl import SFTTrainer
+
+from checkpoints import CompleteCheckpointsMixin
+from launch import Launch
+
+
+class CpuEngineSFTTrainer(SFTTrainer):
+    """SFTTrainer that keeps FSDP or DeepSpeed on a host without an accelerator.
+
+    accelerate honours an FSDP plugin or a DeepSpeed launch only on accelerator devices: on CPU it silently falls back
+    to DDP over gloo (FSDP with `use_cpu`), or to one process that believes it is alone (DeepSpeed without it), so the
+    sharding code users run on GPUs would never be exercised. FSDP1, FSDP2 and DeepSpeed ZeRO-3 all run on CPU over
+    gloo. So let the Trainer build its CPU Accelerator (which sets up the gloo process group), then put back the
+    decision accelerate dropped: the FSDP plugin read from the same FSDP_* environment `accelerate launch` exports
+    (`cpu_fsdp_plugin`), or the DeepSpeed plugin the training arguments built from it; then the same
+    `accelerator.prepare` path runs as on GPUs. Set `engine` ("fsdp" or "deepspeed") in a subclass."""
+
+    def __init__(self, *args, engine: str = "fsdp", launch: Launch | None = None, **kwargs):
+        self.engine, self.launch = engine, launch or Launch.current()  # read while the Trainer builds its Accelerator
+        super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType
+
+        launch = self.launch
+        with without_fsdp1_device_settings(launch):  # the Accelerator builds an FSDP plugin from the env, even on CPU
+            super().create_accelerator_and_postprocess()
+        state = self.accelerator.state
+        if self.engine == "deepspeed":
+            from deepspeed import comm
+
+            from compat import DEEPSPEED_SKIPS_SHM_COMM
+            from transformers.integrations.deepspeed import propagate_args_to_deepspeed
+
+            DEEPSPEED_SKIPS_SHM_COMM.apply()  # DeepSpeed's CPU-inference all-reduce: minutes to build on first use
+            comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # over accelerate's process group
+            plugin = self.args.deepspeed_plugin  # TrainingArguments built it from the launch environment
+            plugin.select(_from_accelerator_state=True)
+            state.deepspeed_plugins, state.distributed_type = plugin, DistributedType.DEEPSPEED
+            self.accelerator.deepspeed_engine_wrapped = None
+            self.is_deepspeed_enabled = True
+            propagate_args_to_deepspeed(self.accelerator, self.args)  # batch size, accumulation, clipping, optimizer
+        else:
+            state.fsdp_plugin, state.distributed_type = cpu_fsdp_plugin(launch), DistributedType.FSDP
+            if state.mixed_precision != "no":  # as accelerate does on GPUs: FSDP's own mixed-precision policy
+                state.fsdp_plugin.set_mixed_precision(state.mixed_precision)
+            self.is_fsdp_enabled = True
+            if launch.fsdp_version == 1:  # FSDP1 compares device_id with torch.cpu.current_device(): "cpu", not "cpu:0"
+                state.device = PartialState._shared_state["device"] = torch.device("cpu")
+        # Every later AcceleratorState() re-reads the process-level state: record the engine there too, as accelerate
+        PartialState._shared_state["distributed_type"] = state.distributed_type
+
+
+# What FSDP1 does differently on a host without an accelerator (cpu_fsdp_plugin), per accelerate setting in effect:
+# the value and why; settle() records each as a decision.
+CPU_FSDP1_OVERRIDES = {
+    "OFFLOAD_PARAMS": ("off", "the parameters already live in host RAM, and FSDP1's CPUOffload needs an accelerator"),
+    "SYNC_MODULE_STATES": ("over gloo", "torch's own broadcast from rank 0, once its 'CPU tensors need a GPU' guard "
+                           "is lifted (it guards NCCL, which cannot send host memory)"),
+}
+
+
+def cpu_fsdp_plugin(launch: Launch):
+    """The FSDP plugin of this launch, built on a host without an accelerator.
+
+    FSDP2 builds as it is. FSDP1 differs where a CPU forces it (CPU_FSDP1_OVERRIDES): accelerate builds
+    `sync_module_states`' param_init_fn for the current GPU and raises without one, so the plugin is built without it
+    and given the same function for the CPU; torch refuses to sync CPU tensors (NCCL cannot send them), a guard this
+    process lifts since gloo can; and parameter offload, which needs an accelerator, is off (nothing to move)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    if launch.fsdp_version != 1:
+        return FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_AUTO_WRAP_POLICY, ... from the env
+    from torch.distributed.fsdp import CPUOffload
+
+    from compat import TORCH_FSDP1_SYNCS_CPU_TENSORS
+
+    with without_fsdp1_device_settings(launch):
+        plugin = FullyShardedDataParallelPlugin()
+    plugin.cpu_ram_efficient_loading = launch.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
+    if launch.fsdp_setting("SYNC_MODULE_STATES") or plugin.cpu_ram_efficient_loading:
+        plugin.sync_module_states = True
+        plugin.param_init_fn = lambda module: module.to_empty(device="cpu", recurse=False)
+        TORCH_FSDP1_SYNCS_CPU_TENSORS.apply()
+    plugin.cpu_offload = CPUOffload(offload_params=False)
+    return plugin
+
+
+@contextmanager
+def without_fsdp1_device_settings(launch: Launch):
+    """The FSDP1 settings whose plugin construction needs an accelerator switched off in this process's environment
+    (the environment is restored afterwards; cpu_fsdp_plugin puts their meaning back)."""
+    names = ("FSDP_SYNC_MODULE_STATES", "FSDP_CPU_RAM_EFFICIENT_LOADING")
+    saved = {name: os.environ.get(name) for name in names}
+    if launch.fsdp_version == 1:
+        os.environ.update(dict.fromkeys(names, "false"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class RecipeSFTTrainer(CompleteCheckpointsMixin, SFTTrainer):
+    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py)."""
+
+
+class RecipeCpuEngineSFTTrainer(CompleteCheckpointsMixin, CpuEngineSFTTrainer):
+    """The same, keeping FSDP or DeepSpeed on a host without an accelerator."""
+
+
+def trainer_class(cpu_engine: str | None, launch: Launch | None = None):
+    """The trainer to build: RecipeSFTTrainer, or RecipeCpuEngineSFTTrainer with the engine (`cpu_engine`: "fsdp" or
+    "deepspeed") and the settled launch."""
+    if cpu_engine is None:
+        return RecipeSFTTrainer
+    return functools.partial(RecipeCpuEngineSFTTrainer, engine=cpu_engine, launch=launch)
