@@ -30,14 +30,14 @@ from checkpoints import StopOnSignal, latest_complete
 from checks import Problem, preflight
 from compat import TRL_SCORES_LABELLED_POSITIONS_ON_CPU
 from configuration import Configuration, gather, memory_plan, settle
-from launch import Launch
-from trainers import trainer_class
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
-from run_memory import PhasePeaks, return_freed_memory
+from launch import Launch
 from moe import mark_zero3_leaves
 from report import TRAINING_KEYS, write_run_report
+from run_memory import PhasePeaks, return_freed_memory
 from sharding import gather_adapter, hand_to_the_engine, save_fsdp1_adapter, zero3_config
+from trainers import trainer_class
 from training_data import DataError, TrainingData, prepare, summarize
 from utils import build_model, build_peft_config
 
