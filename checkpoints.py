@@ -8,11 +8,17 @@
 - SIGTERM (SLURM's warning before a kill) or SIGINT stops training at the end of the current step on every rank,
   saves a checkpoint and exits with 128 + the signal number. A repeated SIGTERM is ignored and no signal interrupts a
   save; a second SIGINT outside a save kills at once.
-- `latest` is the newest complete checkpoint as rank 0 sees it, the same on every rank (`resume_point`).
+- The marker records every file of the checkpoint with its size and SHA-256. Before a checkpoint is resumed,
+  consolidated or merged, its files are checked against it (`damage`): a file truncated or changed after the save (a
+  failing disk, a partial copy between machines) is found before anything is loaded. `latest` skips a damaged
+  checkpoint for the newest intact one and says which it skipped and why; a damaged checkpoint named explicitly is
+  refused. Markers written before the records existed (`{}`) are taken as they are.
+- `latest` is the newest intact complete checkpoint as rank 0 sees it, the same on every rank (`resume_point`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -40,18 +46,66 @@ def checkpoints(output_dir: str | Path) -> list[tuple[int, Path, bool]]:
     return sorted(found)
 
 
+def file_records(folder: Path) -> dict[str, dict]:
+    """Every file under a checkpoint folder but the marker: relative path -> size and SHA-256."""
+    records = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE):
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        records[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": digest}
+    return records
+
+
+def damage(folder: str | Path) -> str | None:
+    """What differs between a complete checkpoint's files and what its marker recorded when it was written; None when
+    they agree (or the marker records no files). Sizes first: a truncated file is found without reading it."""
+    folder = Path(folder)
+    recorded = json.loads((folder / COMPLETE).read_text()).get("files")
+    if not recorded:
+        return None
+    for name, record in recorded.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if (size := path.stat().st_size) != record["bytes"]:
+            return f"{path} has {size} bytes, {record['bytes']} were written"
+    for name, record in recorded.items():
+        with open(folder / name, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != record["sha256"]:
+                return f"{folder / name} changed after it was written (its SHA-256 differs)"
+    return None
+
+
 def latest_complete(output_dir: str | Path) -> str | None:
     complete = [path for _, path, done in checkpoints(output_dir) if done]
     return str(complete[-1]) if complete else None
 
 
+def latest_intact(output_dir: str | Path) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint whose files are as written, and the newer ones skipped, with why."""
+    skipped = []
+    for _, path, done in reversed(checkpoints(output_dir)):
+        if done:
+            if (why := damage(path)) is None:
+                return str(path), skipped
+            skipped.append((str(path), why))
+    return None, skipped
+
+
 def resume_point(resume: str | None, output_dir: str | Path) -> str | None:
-    """The checkpoint a run resumes from. `latest` is the newest complete checkpoint in output_dir as rank 0 sees it,
-    sent to every rank (ranks on other machines may see a shared file system at another moment), or a fresh start
-    when there is none."""
+    """The checkpoint a run resumes from. `latest` is the newest intact complete checkpoint in output_dir as rank 0
+    sees it, sent to every rank (ranks on other machines may see a shared file system at another moment), or a fresh
+    start when there is none. A named checkpoint was verified by preflight (checks.resume_checkpoint)."""
     if resume != "latest":
         return resume
-    found = [latest_complete(output_dir)]
+    rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
+    found = [None]
+    if rank0:
+        found[0], skipped = latest_intact(output_dir)
+        for path, why in skipped:
+            print(f"--resume_from_checkpoint latest: skipping {path}, damaged after it was written: {why}; resuming "
+                  f"from {found[0] or 'the start (no intact checkpoint)'}", file=sys.stderr, flush=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(found, src=0)
     return found[0]
@@ -104,8 +158,9 @@ class CompleteCheckpointsMixin:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(folder)
             marker = folder / COMPLETE
+            record = {"step": self.state.global_step, "time": time.time(), "files": file_records(folder)}
             with open(marker, "w") as f:
-                json.dump({"step": self.state.global_step, "time": time.time()}, f)
+                json.dump(record, f)
                 f.flush()
                 os.fsync(f.fileno())
             # transformers' own rotation keeps the best checkpoint (load_best_model_at_end); so does this one

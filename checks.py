@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from configuration import Configuration, hub_offline, memory_plan, planned_need
-from checkpoints import COMPLETE
+from checkpoints import COMPLETE, damage, latest_intact
 from model_files import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
 
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -298,6 +298,16 @@ def single_process_generation(s: Configuration) -> Problem | None:
     return None
 
 
+def evaluation_without_split(s: Configuration) -> Problem | None:
+    """The Trainer raises this only once the weights have loaded (after minutes on a large model)."""
+    strategy = str(getattr(s.training.eval_strategy, "value", s.training.eval_strategy))
+    if strategy == "no" or s.data.eval_split:
+        return None
+    return Problem("error", f"--eval_strategy {strategy} with no evaluation split (--splits {s.data.splits})",
+                   "the Trainer evaluates on the evaluation split and would stop when it first evaluates, after the "
+                   "weights have loaded", "add an evaluation split (--splits train,test) or pass --eval_strategy no")
+
+
 def added_tokens_under_fsdp(s: Configuration) -> Problem | None:
     added = len(s.facts.added_token_ids)
     if not (added and s.launch.fsdp):
@@ -390,6 +400,12 @@ def resume_checkpoint(s: Configuration) -> Problem | None:
                        "or not finished, by this recipe; its trainer state and (FSDP) DCP metadata are pickles, "
                        "which run whatever code they carry when read", "`latest` (the newest complete checkpoint), "
                        "or --trust_checkpoint true if you trust the files")
+    if (Path(resume) / COMPLETE).is_file() and (why := damage(resume)):
+        intact, _ = latest_intact(Path(resume).parent)
+        return Problem("error", f"--resume_from_checkpoint {resume} is damaged", f"{why}: resuming would load state "
+                       "that is not what training saved", "copy the checkpoint again from where it is intact, or "
+                       "resume from " + (f"{intact} (the newest intact checkpoint; `latest` picks it)" if intact else
+                                         "the start (no other intact checkpoint is there)"))
     return None
 
 
@@ -423,8 +439,8 @@ RULES: list[Callable[[Configuration], Problem | None]] = [
     quant_storage_dtype, fsdp2_mixed_precision_casts_4bit, eight_bit_with_fsdp, bnb_optimizer_with_fsdp,
     qlora_fsdp_loading, ram_efficient_without_sync, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,
-    added_tokens_under_fsdp, no_layer_class_to_wrap, output_dir_holds_another_run, output_dir_writable,
-    resume_checkpoint, token_on_command_line, publishing_a_local_path, memory_fit, host_ram_by_phase,
+    evaluation_without_split, added_tokens_under_fsdp, no_layer_class_to_wrap, output_dir_holds_another_run,
+    output_dir_writable, resume_checkpoint, token_on_command_line, publishing_a_local_path, memory_fit, host_ram_by_phase,
 ]
 
 

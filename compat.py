@@ -162,7 +162,6 @@ PRIVATE_NAMES = [
      "`accelerate launch` would export, for --check and the tests"),
     ("transformers.trainer", "Trainer._save_checkpoint", "checkpoints.CompleteCheckpointsMixin: a completion marker "
      "after every rank has written the checkpoint"),
-    ("transformers.trainer", "Trainer._save", "train.save_adapter: the final folder written from the gathered adapter"),
     ("torch.distributed.fsdp._flat_param", "FlatParameter._fqns", "sharding.gather_fsdp1_adapter: each FSDP1 unit's "
      "own parameter names"),
     ("transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref", "compat.transformers_zero3_hidden"),

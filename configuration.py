@@ -31,6 +31,9 @@ from trainers import CPU_FSDP1_OVERRIDES
 from utils import build_tokenizer, load_dtype
 
 
+# The recipe's collective timeout for multi-process runs (seconds; --ddp_timeout overrides it).
+COLLECTIVE_TIMEOUT_S = 600
+
 # Any of these in a model folder is a tokenizer to load (fast, sentencepiece, BPE vocabularies)
 TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
@@ -269,6 +272,11 @@ def training_values(request: Request, facts: Facts) -> tuple[dict, list[Decision
         default("padding_free", True, "one row per batch, no pad tokens; attention stays within each example")
     if not checkpointing_asked(given):
         values["activation_checkpointing"] = False  # TRL turns it on; decided from the memory plan
+    if facts.launch.num_processes > 1:
+        default("ddp_timeout", COLLECTIVE_TIMEOUT_S, "how long a rank waits in a collective before the run stops "
+                "with an error, so a lost node ends the run within it (transformers' default: 1800 s). It must cover "
+                "the longest wait between ranks: rank 0 reading (and quantizing) the base while the others wait for "
+                "their shards; raise it for a large model on a slow disk")
     return values, decisions
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints import COMPLETE
+from checkpoints import COMPLETE, damage
 from report import PLOT_FILE, model_card, read_summary
 from model_files import REPO_DIR, load_causal_lm, local_copy_of, refuse_pickled_weights
 
@@ -47,6 +47,12 @@ def copy_present(names, source: Path, target: Path) -> list[str]:
     return copied
 
 
+def refuse_damaged_checkpoint(folder: Path, otherwise: str) -> None:
+    """A checkpoint folder (one with this recipe's marker) whose files are no longer as they were written."""
+    if (folder / COMPLETE).is_file() and (why := damage(folder)):
+        raise SystemExit(f"error: {folder} is damaged: {why}. Copy it again from where it is intact, or {otherwise}.")
+
+
 def consolidate(checkpoint: Path, output: Path | None = None, trusted: bool = False) -> Path:
     """A sharded FSDP checkpoint (DCP files in pytorch_model_fsdp_0/) -> a PEFT adapter folder; only one this recipe
     marked complete, unless `trusted`."""
@@ -57,6 +63,7 @@ def consolidate(checkpoint: Path, output: Path | None = None, trusted: bool = Fa
         raise SystemExit(f"error: {checkpoint} has no {COMPLETE} marker: it was not written (or not finished) by this "
                          "recipe, and its DCP .metadata is a pickle, which runs whatever code it carries when read. "
                          "If you trust the files, pass --trust_checkpoint.")
+    refuse_damaged_checkpoint(checkpoint, "consolidate an earlier checkpoint")
     if not (shards / ".metadata").is_file():
         raise SystemExit(f"error: {checkpoint} holds no sharded FSDP model ({shards}/.metadata is missing); pass a "
                          "checkpoint-N folder written with fsdp_state_dict_type SHARDED_STATE_DICT.")
@@ -78,6 +85,7 @@ def merge(adapter: Path, output: Path, dtype: str = "bfloat16", base: str | None
     from transformers import AutoTokenizer
 
     refuse_inside_sharded_run()
+    refuse_damaged_checkpoint(adapter, "merge an earlier checkpoint")
     refuse_pickled_weights(str(adapter))
     config = PeftConfig.from_pretrained(adapter)
     base = base or local_copy_of(config.base_model_name_or_path)

@@ -108,6 +108,12 @@ class Launch:
         return int(self.env.get("RANK", 0))
 
     @property
+    def stop_report(self) -> str | None:
+        """The file where a run stopped by a signal writes the signal's number, for preemptible.sh to exit 128 + it on
+        every node, the nodes that were not signalled included (their launchers see only the workers' exit)."""
+        return self.env.get("RECIPE_STOP_REPORT") or None
+
+    @property
     def weights_from_rank0(self) -> bool:
         """FSDP's RAM-efficient loading, or ZeRO-3's partitioning at load (zero3_init_flag): rank 0 reads the
         checkpoint, the others receive their shards (sharding.py)."""
@@ -130,3 +136,98 @@ def launch_environment(launch_args: list[str]) -> dict[str, str]:
     if args.use_fsdp or args.multi_gpu:
         return prepare_multi_gpu_env(args)
     return {}
+
+
+def machine_settings(command: list[str], env: Mapping[str, str]) -> dict | None:
+    """num_machines, machine_rank, main_process_ip and main_process_port of a launch command, as accelerate's launcher
+    takes them: its flags, else its config file (--config_file, else accelerate's default config), else its defaults.
+    Read without importing accelerate (which imports torch: seconds on every node); tests/test_multinode.py compares
+    the result with accelerate's own reading. None when `command` is no `accelerate launch`."""
+    import argparse
+
+    import yaml
+
+    start = next((i + 1 for i, word in enumerate(command) if word in ("launch", "accelerate.commands.launch")), None)
+    if start is None:
+        return None
+    script = next((i for i in range(start, len(command)) if command[i].endswith(".py")), len(command))
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name in ("config_file", "num_machines", "machine_rank", "main_process_ip", "main_process_port"):
+        parser.add_argument(f"--{name}")
+    flags, _ = parser.parse_known_args(command[start:script])
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface")
+    config_file = Path(flags.config_file or os.path.join(os.path.expanduser(home), "accelerate", "default_config.yaml"))
+    config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.is_file() else {}
+
+    def setting(name: str, default):
+        value = getattr(flags, name)
+        return value if value is not None else config.get(name, default)
+
+    port = setting("main_process_port", None)
+    return {"num_machines": int(setting("num_machines", 1)), "machine_rank": int(setting("machine_rank", 0)),
+            "main_process_ip": setting("main_process_ip", None), "main_process_port": int(port) if port else None}
+
+
+def node_problems(command: list[str], env: Mapping[str, str]) -> list[str]:
+    """What is wrong with this node's part of a multi-machine launch, found before anything starts: `command` is the
+    launch as preemptible.sh runs it (`accelerate launch [flags] script [script flags]`, or `python -m
+    accelerate.commands.launch ...`).
+
+    accelerate's launcher starts torchrun with a static rendezvous (accelerate 1.15 ignores a config file's
+    `rdzv_backend`: its own argparse default, "static", is not None, and only unset arguments take the config's
+    values): each node is the machine rank it is given, and machine rank 0 hosts the rendezvous on main_process_ip and
+    main_process_port. A node given the wrong rank, or a port already taken, would leave the others waiting for the
+    rendezvous until it times out."""
+    import errno
+    import socket
+
+    settings = machine_settings(command, env)
+    if settings is None:
+        return []
+    machines, rank = settings["num_machines"], settings["machine_rank"]
+    address, port = settings["main_process_ip"], settings["main_process_port"]
+    if not 0 <= rank < machines:
+        return [f"--machine_rank {rank} with --num_machines {machines}: each node needs its own rank, from 0 to "
+                f"{machines - 1}"]
+    problems = []
+    slurm = {"SLURM_NODEID": (rank, "--machine_rank"), "SLURM_NNODES": (machines, "--num_machines")}
+    for variable, (value, flag) in slurm.items():
+        if variable in env and int(env[variable]) != value:
+            problems.append(f"{flag} {value}, but SLURM says {variable}={env[variable]}: the rank expression was "
+                            "evaluated once for every node (in double quotes, by the batch shell) instead of on each "
+                            f"node; quote it so each node's shell expands ${variable} (slurm/run_peft_fsdp_multinode.sbatch)")
+    if problems or rank != 0 or not port:
+        return problems
+    host = address if machines > 1 and address else "0.0.0.0"
+    with socket.socket() as probe:
+        # Another probe of the same port does not conflict (Linux lets sockets with SO_REUSEADDR share a port none of
+        # them listens on); a listener, such as a rendezvous store, does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except socket.gaierror:
+            return [f"--main_process_ip {address} does not resolve to an address on this machine, where machine rank "
+                    "0 runs the rendezvous: pass machine rank 0's address, or give this node its own --machine_rank"]
+        except OSError as err:
+            if err.errno == errno.EADDRNOTAVAIL:
+                return [f"--machine_rank 0 runs the rendezvous on --main_process_ip {address}, which is not an "
+                        "address of this machine: start machine rank 0 on that machine, or give this node its own "
+                        "--machine_rank"]
+            if err.errno == errno.EADDRINUSE:
+                return [f"--main_process_port {port} is already in use on this machine (another run or job, or a "
+                        "second node started as machine rank 0 here): choose a free port (--main_process_port, "
+                        "MAIN_PORT for the SLURM script), or give each node its own --machine_rank"]
+            raise
+    return problems
+
+
+if __name__ == "__main__":
+    # python launch.py check-node accelerate launch [flags] script ...: preemptible.sh's check of this node
+    import sys
+
+    if sys.argv[1:2] != ["check-node"]:
+        raise SystemExit("usage: python launch.py check-node accelerate launch [accelerate flags] script [flags]")
+    found = node_problems(sys.argv[2:], os.environ)
+    for problem in found:
+        print(f"error: {problem}", file=sys.stderr)
+    sys.exit(2 if found else 0)

@@ -13,7 +13,7 @@ Two things no engine carries are sent from rank 0 here (`receive_from_rank0`): e
 bitsandbytes needs it whole), and the non-persistent buffers (rotary frequencies), which are in no state dict.
 
 Save: `gather_adapter` gathers the trainable parameters alone onto rank 0's host RAM, never the frozen base (FSDP1,
-FSDP2 and ZeRO-3).
+FSDP2 and ZeRO-3); `write_adapter` writes the adapter folder from them, or from the model of an unsharded run.
 """
 
 from __future__ import annotations
@@ -163,7 +163,6 @@ def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 def gather_fsdp1_adapter(model, rank0: bool) -> dict[str, torch.Tensor] | None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    wrapper = "_fsdp_wrapped_module."
     state = {}
     for prefix, unit in model.named_modules():
         handle = getattr(unit, "_handle", None)
@@ -173,24 +172,38 @@ def gather_fsdp1_adapter(model, rank0: bool) -> dict[str, torch.Tensor] | None:
             for name in handle.flat_param._fqns:  # the unit's own parameters, relative to the module it wraps
                 param = unit.module.get_parameter(name)
                 if rank0 and param.requires_grad:
-                    state[f"{prefix}.{name}".removeprefix(wrapper)] = param.detach().cpu().clone()
+                    state[f"{prefix}.{name}".removeprefix(FSDP1_WRAPPER)] = param.detach().cpu().clone()
     return state if rank0 else None
 
 
-def save_fsdp1_adapter(peft_model, state: dict[str, torch.Tensor], output_dir) -> None:
-    """Write the adapter's weights from gather_adapter's FSDP1 state, named as PEFT names them.
+FSDP1_WRAPPER = "_fsdp_wrapped_module."
+
+
+def write_adapter(peft_model, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """The run's adapter folder, written once, by every engine: adapter_model.safetensors, adapter_config.json and
+    PEFT's model card. `state`: gather_adapter's trained tensors (a sharded run), or None for the model's own.
 
     PEFT (0.21) picks an adapter's weights by the module names of the model it saves, removing only a leading
-    `_fsdp_wrapped_module.`; FSDP1 wraps every decoder layer and LoRA leaf inside the PEFT model too, so a state dict
-    named without those wrappers matches nothing and `save_pretrained` writes an empty adapter, silently (seen through
-    the Trainer on 2 processes). So PEFT selects and renames the weights under the names of its own module tree, and
-    the wrappers are dropped from the names it returns."""
+    `_fsdp_wrapped_module.`; FSDP1 wraps every decoder layer and LoRA leaf inside the PEFT model too, so its
+    `save_pretrained` given FSDP1's state would write the wrappers into the names (an adapter that loads nothing) and
+    given names without them it writes an empty adapter, silently. So PEFT selects and renames the weights under its
+    own tree's names, and the wrappers are dropped here; what `save_pretrained` adds is done the same way: the config in
+    inference mode, with the base model's name."""
+    import copy
+
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     weights = get_peft_model_state_dict(peft_model, state_dict=state)
-    if len(weights) != len(state):
+    if state is not None and len(weights) != len(state):
         raise RuntimeError(f"PEFT took {len(weights)} of the {len(state)} trained tensors as the adapter's: "
                            f"{sorted(set(state) - set(weights))[:3]} ...")
-    weights = {name.replace("_fsdp_wrapped_module.", ""): tensor.contiguous() for name, tensor in weights.items()}
-    save_file(weights, str(output_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    folder.mkdir(parents=True, exist_ok=True)
+    peft_model.create_or_update_model_card(str(folder))
+    weights = {name.replace(FSDP1_WRAPPER, ""): tensor.detach().cpu().contiguous() for name, tensor in weights.items()}
+    save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(peft_model.peft_config["default"])
+    config.base_model_name_or_path = (config.base_model_name_or_path
+                                      or peft_model.base_model.model.__dict__.get("name_or_path") or None)
+    config.inference_mode = True
+    config.save_pretrained(str(folder))

@@ -36,7 +36,7 @@ from launch import Launch
 from moe import mark_zero3_leaves
 from report import TRAINING_KEYS, write_run_report
 from run_memory import PhasePeaks, return_freed_memory
-from sharding import gather_adapter, hand_to_the_engine, save_fsdp1_adapter, zero3_config
+from sharding import gather_adapter, hand_to_the_engine, write_adapter, zero3_config
 from trainers import trainer_class
 from training_data import DataError, TrainingData, prepare, summarize
 from utils import build_model, build_peft_config
@@ -50,8 +50,9 @@ def run(argv: list[str]):
         config = settle(request, gather(request))
     except ConfigError as err:
         stop([str(err)])
+    timeout = f", collective timeout {config.training.ddp_timeout} s" if config.launch.num_processes > 1 else ""
     log(f"{config.launch.num_processes} x {'cuda' if config.facts.cuda else 'cpu'}, {config.facts.threads} torch "
-        f"threads, {config.precision}; settled:\n  " + "\n  ".join(map(str, config.decisions)))
+        f"threads, {config.precision}{timeout}; settled:\n  " + "\n  ".join(map(str, config.decisions)))
     report_problems(preflight(config))
     if request.check:
         return finish_check(config), {}
@@ -298,37 +299,59 @@ def write_failure(err: BaseException, output_dir: str) -> str | None:
     return None
 
 
+def lost_rank(err: BaseException) -> str | None:
+    """What a collective reported when another rank stopped answering (its node killed, lost, or out of memory), or
+    its timeout ran out; None for any other failure. gloo raises DistBackendError or a RuntimeError naming the closed
+    connection; NCCL's watchdog raises DistBackendError at the timeout."""
+    import torch.distributed as dist
+
+    message = str(err)
+    lost = isinstance(err, dist.DistError) or any(
+        sign in message for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                     "Timed out", "NCCL", "ProcessGroupGloo"))
+    return f"{type(err).__name__}: {message.splitlines()[0][:300]}" if lost else None
+
+
 def train(trainer, config: Configuration):
-    """trainer.train, resumed where asked; a full disk or a signal ends the run with what to do next."""
+    """trainer.train, resumed where asked; a full disk, a lost rank or a signal ends the run with what to do next."""
     output_dir = config.training.output_dir
     if trainer.resumed_from:
         log(f"resuming from {trainer.resumed_from}")
     try:
         result = trainer.train(resume_from_checkpoint=trainer.resumed_from)
     except Exception as err:
-        if not (why := write_failure(err, output_dir)):
-            raise
         last = latest_complete(output_dir)
-        stop([f"cannot write to {output_dir}: {why}. Free space or fix permissions, then continue with "
-              "--resume_from_checkpoint latest" + (f" (last complete checkpoint: {last})" if last else
-                                                  " (no complete checkpoint yet)")])
+        resume = "--resume_from_checkpoint latest" + (f" (last complete checkpoint: {last})" if last else
+                                                      " (no complete checkpoint yet)")
+        if why := write_failure(err, output_dir):
+            stop([f"cannot write to {output_dir}: {why}. Free space or fix permissions, then continue with {resume}"])
+        if config.launch.num_processes > 1 and (why := lost_rank(err)):
+            print(f"error: rank {config.launch.rank} lost the other ranks at step {trainer.state.global_step} ({why}). "
+                  "Another process or node stopped (killed, lost, out of memory: see its own log), or a collective "
+                  f"waited longer than the collective timeout, {config.training.ddp_timeout} s (--ddp_timeout). "
+                  f"Start every node again with {resume}.", file=sys.stderr, flush=True)
+            sys.exit(1)
+        raise
     if received := trainer.signals.received:
         log(f"stopped by signal {received} at step {trainer.state.global_step}: checkpoint saved in "
             f"{output_dir}; continue with --resume_from_checkpoint latest")
+        if config.launch.stop_report:  # every rank of every node stopped for it: each node's launcher exits 128 + N
+            Path(config.launch.stop_report).write_text(str(received))
         sys.exit(128 + received)
     return result
 
 
 def save_adapter(trainer, sharded: bool) -> None:
-    """The final folder is a plain PEFT adapter. Under FSDP and ZeRO-3 only the trainable parameters are gathered, onto
-    rank 0 (sharding.gather_adapter), never the frozen base."""
-    if sharded:
-        state = gather_adapter(trainer.model)  # named as in the model's module tree (FSDP1: with its unit wrappers)
-        trainer._save(trainer.args.output_dir, state_dict=state)  # config, model card, tokenizer
-        if state is not None and trainer.is_fsdp_enabled and trainer.accelerator.state.fsdp_plugin.fsdp_version == 1:
-            save_fsdp1_adapter(trainer.accelerator.unwrap_model(trainer.model), state, Path(trainer.args.output_dir))
-    else:
-        trainer.save_model()
+    """The final folder: a plain PEFT adapter, the tokenizer and the training arguments, written once by rank 0
+    (sharding.write_adapter). Under FSDP and ZeRO-3 only the trainable parameters are gathered, onto rank 0
+    (sharding.gather_adapter), never the frozen base."""
+    state = gather_adapter(trainer.model) if sharded else None  # every rank takes part in the gathers
+    if not trainer.args.should_save:
+        return
+    output_dir = Path(trainer.args.output_dir)
+    write_adapter(trainer.accelerator.unwrap_model(trainer.model), output_dir, state)
+    trainer.processing_class.save_pretrained(output_dir)
+    torch.save(trainer.args, output_dir / "training_args.bin")
 
 
 def write_report(config: Configuration, trainer, summary: dict) -> None:

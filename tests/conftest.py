@@ -27,21 +27,65 @@ def tiny_run_args(model_dir, data_dir, out, *extra) -> list[str]:
             "--bf16", "false", "--eval_num_prompts", "0", "--disable_tqdm", "true", "--warmup_steps", "0", *extra]
 
 
-def launch_two_processes(script, args, config="configs/fsdp2_config.yaml", mixed_precision="no"):
+def free_port() -> int:
+    """A port nothing listens on now (the launches of several machines must agree on one; port 0 would not do)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def node_launch(config, machine_rank: int, port: int, mixed_precision="no") -> list[str]:
+    """`accelerate launch` of one machine of two on this host, one process each, through a shipped multi-machine
+    config: only the process count, the machine rank, the address and the precision change."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+            "--num_machines", "2", "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
+            "--main_process_port", str(port), "--mixed_precision", mixed_precision]
+
+
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def launch_two_processes(script, args, config="configs/fsdp2_config.yaml", mixed_precision="no", machines=1):
     """`accelerate launch` of `script` with a shipped accelerate config, as on GPUs, with only the process count and
-    precision changed (the configs' bf16 is emulated, many times slower, on CPUs without it).
+    precision changed (the configs' bf16 is emulated, many times slower, on CPUs without it): 2 processes on one
+    machine, or (machines=2, a multi-machine config) one process on each of two machines, found through the
+    rendezvous on 127.0.0.1.
 
     glibc keeps freed blocks up to its dynamic mmap threshold (up to 32 MB) for reuse, which hides what the code frees
     and keeps; a fixed threshold makes RSS follow what the program holds (measured: the train phase of a SmolLM2 LoRA
     run grew 0.88 GiB with glibc's default, 0.31 GiB with the threshold)."""
     import subprocess
+    import tempfile
 
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_processes", "2", "--mixed_precision", mixed_precision, "--main_process_port", "0", str(script),
-               *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    if machines == 1:
+        commands = [[sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                     "--num_processes", "2", "--mixed_precision", mixed_precision, "--main_process_port", "0"]]
+    else:
+        port = free_port()
+        commands = [node_launch(config, rank, port, mixed_precision) for rank in (0, 1)]
+    env = {**os.environ, **LAUNCH_ENV}
+    logs = [tempfile.TemporaryFile("w+") for _ in commands]  # files, not pipes: no machine waits on an unread pipe
+    launches = [subprocess.Popen([*command, str(script), *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 text=True, env=env) for command, log in zip(commands, logs)]
+    for launch, log in zip(launches, logs):
+        launch.wait(timeout=600)
+        log.seek(0)
+        assert launch.returncode == 0, log.read()[-6000:]
+
+
+def signal_tree(pid: int, signum: int) -> None:
+    """Signal a launch and every process under it, as SLURM signals a job step on a node or a node failure kills it:
+    torchrun starts each worker in a session of its own, out of reach of a signal to the launcher's process group."""
+    import psutil
+
+    tree = psutil.Process(pid)
+    for member in [tree, *tree.children(recursive=True)]:
+        try:
+            member.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def settled(argv=(), **facts):

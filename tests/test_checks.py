@@ -103,6 +103,9 @@ CASES = [
     (checks.fp16_without_gpu,
      (["--fp16", "true", "--bf16", "false"], None, {"cuda": False}),
      (["--fp16", "true", "--bf16", "false"], None, {"cuda": True}), "error"),
+    (checks.evaluation_without_split,  # the shared 70B config evaluates every epoch
+     (["configs/llama2_70b_chat_sft.yaml", "--splits", "train"], None, {}),
+     (["configs/llama2_70b_chat_sft.yaml", "--splits", "train", "--eval_strategy", "no"], None, {}), "error"),
     (checks.resume_checkpoint,
      (["--resume_from_checkpoint", "/nonexistent/checkpoint-3"], None, {}),
      (["--resume_from_checkpoint", "latest"], None, {}), "error"),

@@ -18,16 +18,19 @@ from model_files import REPO_DIR
 
 pytestmark = pytest.mark.multiprocess
 WORKER = REPO_DIR / "tests" / "fsdp_worker.py"
-# id: (shipped accelerate config, engine, FSDP version, 4-bit). On a CPU the recipe changes only what a CPU cannot do
-# (distributed.CPU_FSDP1_OVERRIDES); the launch changes only the process count and precision (no mixed precision,
-# except FSDP2 QLoRA: the configs' bf16 policy, which emulated bf16 makes slow, in one case).
+# id: (shipped accelerate config, engine, FSDP version, 4-bit, machines). On a CPU the recipe changes only what a CPU
+# cannot do (trainers.CPU_FSDP1_OVERRIDES); the launch changes only the process count and precision (no mixed
+# precision, except FSDP2 QLoRA: the configs' bf16 policy, which emulated bf16 makes slow, in one case). The
+# multi-machine configs run as two machines of one process each on this host, each its own `accelerate launch` with
+# its machine rank, found through the rendezvous on 127.0.0.1 (the single-machine FSDP2 and ZeRO-3 configs run with
+# 2 processes in tests/test_reliability.py).
 CASES = {
-    "fsdp2-lora": ("fsdp2_config.yaml", "fsdp", 2, False),
-    "fsdp2-qlora-bf16-mixed-precision": ("fsdp2_config.yaml", "fsdp", 2, True),
-    "fsdp1-lora": ("fsdp_config.yaml", "fsdp", 1, False),
-    "fsdp1-qlora": ("fsdp_config_qlora.yaml", "fsdp", 1, True),  # its offload is off on CPU (CPU_FSDP1_OVERRIDES)
-    "zero3-lora": ("deepspeed_config.yaml", "deepspeed", 2, False),
-    "zero3-qlora": ("deepspeed_config_z3_qlora.yaml", "deepspeed", 2, True),
+    "fsdp2-lora-2-machines": ("fsdp2_config_multinode.yaml", "fsdp", 2, False, 2),
+    "fsdp2-qlora-bf16-mixed-precision-2-machines": ("fsdp2_config_multinode.yaml", "fsdp", 2, True, 2),
+    "fsdp1-lora": ("fsdp_config.yaml", "fsdp", 1, False, 1),
+    "fsdp1-qlora": ("fsdp_config_qlora.yaml", "fsdp", 1, True, 1),  # its offload is off on CPU (CPU_FSDP1_OVERRIDES)
+    "zero3-lora-2-machines": ("deepspeed_config_multinode.yaml", "deepspeed", 2, False, 2),
+    "zero3-qlora": ("deepspeed_config_z3_qlora.yaml", "deepspeed", 2, True, 1),
 }
 
 
@@ -62,12 +65,12 @@ def one_process_run(model_dir, data_dir, out, quantized):
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_processes_match_one_process_and_load_and_save_as_planned(wide_model_dir, chat_dir, tmp_path_factory,
                                                                       case):
-    config, engine, fsdp_version, quantized = CASES[case]
+    config, engine, fsdp_version, quantized, machines = CASES[case]
     out = tmp_path_factory.mktemp(case)
     mixed_precision = "bf16" if "mixed-precision" in case else "no"
-    checkpoint = case == "fsdp2-lora"  # an intermediate (sharded) checkpoint, consolidated below
+    checkpoint = case == "fsdp2-lora-2-machines"  # an intermediate (sharded) checkpoint, consolidated below
     launch_two_processes(WORKER, recipe_args(wide_model_dir, chat_dir, out, 2, quantized, checkpoint),
-                         REPO_DIR / "configs" / config, mixed_precision)
+                         REPO_DIR / "configs" / config, mixed_precision, machines)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     # The real engine ran, not the DDP (or lone-process) fallback accelerate picks on a CPU by itself, and sharded.
@@ -131,7 +134,7 @@ def test_two_processes_match_one_process_and_load_and_save_as_planned(wide_model
     summary = json.loads((out / "run_summary.json").read_text())
     assert_phases_as_planned(summary["results"]["memory_by_rank"], wide_model_dir, quantized, engine, fsdp_version)
 
-    if case == "fsdp2-lora":  # the intermediate FSDP checkpoint (DCP shards) becomes the adapter the final save wrote
+    if checkpoint:  # the intermediate FSDP checkpoint (DCP shards) becomes the adapter the final save wrote
         from export import consolidate
 
         checkpoint = out / "checkpoint-3"

@@ -15,11 +15,11 @@ from launch import launch_environment
 from model_files import REPO_DIR
 
 LAUNCHERS = sorted(REPO_DIR.glob("run_*.sh"))
-RECORDER = """#!/usr/bin/env python3
+RECORDER = f"""#!{sys.executable}
 import json, os, sys
 with open(os.environ["ARGV_LOG"], "a") as f:
-    f.write(json.dumps({"argv": sys.argv[1:], "node": os.environ.get("SLURM_NODEID"),
-                        "grace": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")}) + "\\n")
+    f.write(json.dumps({{"argv": sys.argv[1:], "node": os.environ.get("SLURM_NODEID"),
+                        "grace": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")}}) + "\\n")
 """
 
 
@@ -35,7 +35,8 @@ def fake_bin(tmp_path):
 
     add("accelerate", RECORDER)
     # SLURM: two nodes; srun runs its command once per node, as SLURM does with one task per node
-    add("scontrol", "#!/usr/bin/env bash\nprintf 'gpu-node-a\\ngpu-node-b\\n'\n")
+    # the first node is this machine: machine rank 0's check binds the rendezvous port on it
+    add("scontrol", "#!/usr/bin/env bash\nprintf 'localhost\\ngpu-node-b\\n'\n")
     add("srun", "#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
                 "for node in 0 1; do SLURM_NODEID=$node SLURM_NNODES=2 \"$@\" || exit 1; done\n")
     return bin_dir
@@ -109,7 +110,7 @@ def test_slurm_script_starts_accelerate_on_every_node(fake_bin, config, reentran
     for rank, call in enumerate(calls):
         launch_args, train_args = split(call["argv"])
         flags = dict(zip(launch_args[::2], launch_args[1::2]))
-        assert flags["--machine_rank"] == str(rank) and flags["--main_process_ip"] == "gpu-node-a"
+        assert flags["--machine_rank"] == str(rank) and flags["--main_process_ip"] == "localhost"
         assert flags["--num_machines"] == "2" and flags["--num_processes"] == "16"
         assert flags["--config_file"] == (config or "configs/fsdp2_config_multinode.yaml")
         settled_run = settled(train_args)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_run_args
+from conftest import signal_tree, tiny_run_args
 from safetensors.torch import load_file
 
 from checkpoints import COMPLETE, checkpoints, latest_complete, rotate
@@ -56,7 +56,7 @@ def finish(argv, launcher=()):
 def kill_after_checkpoint(argv, out, step, launcher=()):
     process = start(argv, launcher)
     wait_for(lambda: (out / f"checkpoint-{step}" / COMPLETE).is_file(), process)
-    os.killpg(process.pid, signal.SIGKILL)  # the whole process group, as a node failure would
+    signal_tree(process.pid, signal.SIGKILL)  # the launch and its workers, as a node failure would
     process.wait()
     assert process.returncode == -signal.SIGKILL
 
@@ -94,11 +94,18 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_
     out = tmp_path / "killed"
     kill_after_checkpoint(recipe(tiny_model_dir, chat_dir, out, 8, *batch), out, 4, launcher)
     completed = [step for step, _, done in checkpoints(out) if done]
-    assert completed and max(completed) < 8, completed  # killed between checkpoints, before the end
+    assert len(completed) >= 2 and max(completed) < 8, completed  # killed between checkpoints, before the end
     partial = out / "checkpoint-99"  # what a kill during a save leaves: files, no completion marker
     partial.mkdir()
     (partial / "optimizer.pt").write_bytes(b"truncated")
     assert latest_complete(out).endswith(f"checkpoint-{max(completed)}")
+    # The newest complete checkpoint then damaged on disk: its weights (one process: the adapter; FSDP2: the DCP
+    # shards; ZeRO-3: the partitioned states) truncated to half. `latest` falls back to the one before.
+    damaged = out / f"checkpoint-{max(completed)}"
+    weights = max((p for p in damaged.rglob("*") if p.is_file() and p.name != COMPLETE and
+                   (p.suffix in (".safetensors", ".distcp") or "model_states" in p.name)), key=lambda p: p.stat().st_size)
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    completed.remove(max(completed))
 
     resume = recipe(tiny_model_dir, chat_dir, out, 8, *batch, "--resume_from_checkpoint", "latest")
     if distributed:
@@ -107,7 +114,8 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_
         import train
 
         train.run(resume)
-        output = capsys.readouterr().out
+        output = "".join(capsys.readouterr())
+    assert f"skipping {damaged}, damaged after it was written: {weights} has" in output
     assert f"resuming from {out / f'checkpoint-{max(completed)}'}" in output
     straight, resumed = losses(straight_out), losses(out)
     after = [step for step in straight if step > max(completed)]
@@ -163,11 +171,7 @@ def test_sigterm_to_a_launch_saves_every_rank_at_one_step_past_the_default_grace
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()
     wait_for(lambda: any("'loss'" in line for line in lines), process, 240)  # step 1 done, the slow step 2 begun
-    import psutil
-
-    tree = psutil.Process(process.pid)
-    for member in [tree, *tree.children(recursive=True)]:  # every process, as SLURM signals a job step
-        member.send_signal(signal.SIGTERM)
+    signal_tree(process.pid, signal.SIGTERM)  # every process, as SLURM signals a job step
     process.wait(timeout=180)
     reader.join(timeout=10)
     output = "".join(lines)

@@ -2,13 +2,15 @@
 `--torch_compile`, the default run."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import base_model, losses, probe_logits, tiny_run_args
+from conftest import base_model, losses, probe_logits, settled, tiny_run_args
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+import checks
 import train
 from configuration import configure
 
@@ -171,6 +173,55 @@ def test_resume_latest_picks_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / "checkpoint-16").mkdir()  # half-written by a kill: no marker
     assert resume_point("latest", tmp_path).endswith("checkpoint-12")
     assert resume_point(str(tmp_path / "checkpoint-4"), tmp_path).endswith("checkpoint-4")
+
+
+def write_checkpoint(folder: Path, files: dict[str, bytes]) -> Path:
+    """A checkpoint folder with its files and a completion marker as the trainer writes it."""
+    import json
+
+    from checkpoints import COMPLETE, file_records
+
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    (folder / COMPLETE).write_text(json.dumps({"step": 1, "files": file_records(folder)}))
+    return folder
+
+
+def test_a_checkpoint_damaged_after_its_save_is_skipped_by_latest_and_refused_by_name(tmp_path, capsys):
+    """A file truncated (a failing disk, a partial copy), changed in place, or lost after the marker was written: `latest`
+    falls back to the newest intact checkpoint and says why; preflight, consolidate and merge refuse it by name."""
+    import export
+    from checkpoints import damage, resume_point
+
+    files = {"adapter_model.safetensors": b"w" * 1000, "pytorch_model_fsdp_0/__0_0.distcp": b"s" * 500}
+    intact = write_checkpoint(tmp_path / "checkpoint-2", files)
+    damaged = write_checkpoint(tmp_path / "checkpoint-4", files)
+    assert damage(intact) is None and damage(damaged) is None
+    assert resume_point("latest", tmp_path) == str(damaged)
+
+    (damaged / "adapter_model.safetensors").write_bytes(b"w" * 500)  # truncated to half
+    assert damage(damaged) == f"{damaged / 'adapter_model.safetensors'} has 500 bytes, 1000 were written"
+    assert resume_point("latest", tmp_path) == str(intact)
+    assert f"skipping {damaged}, damaged after it was written: {damaged / 'adapter_model.safetensors'} has 500 " \
+           f"bytes" in capsys.readouterr().err
+    problem = checks.resume_checkpoint(settled(["--resume_from_checkpoint", str(damaged)]))
+    assert problem.level == "error" and "has 500 bytes" in problem.why and str(intact) in problem.fix
+    for refused in (lambda: export.consolidate(damaged), lambda: export.merge(damaged, tmp_path / "merged")):
+        with pytest.raises(SystemExit, match="checkpoint-4 is damaged: .*has 500 bytes"):
+            refused()
+
+    (damaged / "adapter_model.safetensors").write_bytes(b"x" * 1000)  # the same size, other bytes
+    assert "SHA-256 differs" in damage(damaged)
+    (damaged / "pytorch_model_fsdp_0" / "__0_0.distcp").unlink()
+    assert damage(damaged).endswith("__0_0.distcp is missing")
+    for path in intact.rglob("*"):  # nothing intact left: a fresh start, said
+        if path.is_file() and path.name != "checkpoint_complete":
+            path.write_bytes(b"")
+    assert resume_point("latest", tmp_path) is None
+    assert "resuming from the start (no intact checkpoint)" in capsys.readouterr().err
+    assert "no other intact checkpoint" in checks.resume_checkpoint(
+        settled(["--resume_from_checkpoint", str(damaged)])).fix
 
 
 def test_remote_code_runs_only_when_asked(tiny_model_dir, monkeypatch):
