@@ -21,7 +21,7 @@ $(STAMP): requirements.txt requirements-test.txt
 	$(VENV)/bin/python -c "import model_files; model_files.convert_default_model()"
 	touch $(STAMP)
 
-.PHONY: setup demo test test-fast test-no-native-bf16
+.PHONY: setup demo test test-fast
 setup: $(STAMP)
 
 # Re-running the demo replaces its previous output folder (train.py alone would refuse to).
@@ -30,16 +30,11 @@ demo: $(STAMP)
 
 # All tiers, in TEST_WORKERS processes of one torch thread each (plain load balancing: grouping the tests that share a
 # one-process reference on one worker was slower, 9:09-9:55 against 7:38-8:49); where this machine runs bf16
-# natively, the tests whose path branches on it run again as on a CPU without.
+# natively, the tests whose path branches on it (marker native_bf16) run twice, the second time as on a CPU without
+# (tests/conftest.py, hardware.NATIVE_BF16_SWITCH).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load --durations=10 tests
-	if $(VENV)/bin/python -c "import sys, hardware; sys.exit(not hardware.native_bf16_supported())"; then \
-		$(MAKE) --no-print-directory test-no-native-bf16; fi
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not e2e and not multiprocess" tests
-
-# The tests marked native_bf16, with the hardware probe answering "no native bf16" (hardware.NATIVE_BF16_SWITCH).
-test-no-native-bf16: $(STAMP)
-	RECIPE_NATIVE_BF16=0 OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load -m native_bf16 tests

@@ -116,6 +116,27 @@ def losses(log_history) -> list[float]:
     return [entry["loss"] for entry in log_history if "loss" in entry]
 
 
+def pytest_generate_tests(metafunc):
+    """Where this machine runs bf16 natively, each test marked native_bf16 runs twice in the same session: as it is,
+    and as on a CPU without native bf16 (hardware.NATIVE_BF16_SWITCH=0, which the recipe's subprocesses inherit)."""
+    if metafunc.definition.get_closest_marker("native_bf16") is None:
+        return
+    from hardware import native_bf16_supported
+
+    metafunc.fixturenames.append("bf16_path")
+    paths = ["native-bf16", "no-native-bf16"] if native_bf16_supported() else ["no-native-bf16"]
+    metafunc.parametrize("bf16_path", paths, indirect=True)
+
+
+@pytest.fixture
+def bf16_path(request, monkeypatch):
+    from hardware import NATIVE_BF16_SWITCH, native_bf16_supported
+
+    if request.param == "no-native-bf16" and native_bf16_supported():
+        monkeypatch.setenv(NATIVE_BF16_SWITCH, "0")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     from model_files import convert_default_model

@@ -151,3 +151,15 @@ def test_readme_memory_figures_are_what_the_planner_makes_of_them():
     for name, block in plan_tables.blocks().items():
         document, written = plan_tables.written_block(name)
         assert written == block, f"{document.name}'s {name} block: run bench/plan_tables.py --write"
+
+
+@pytest.mark.e2e
+def test_data_preparation_times_the_recipe_alone_and_on_ranks_together(capsys):
+    """bench/data_preparation.py on 60 conversations: the recipe's preparation alone, then on 2 processes at once;
+    every conversation kept, about 1,000 tokens each, every process tokenizing all of them."""
+    import data_preparation
+
+    result = data_preparation.main(["--examples", "60", "--processes", "2"])
+    assert result["examples"] == 60 and 800 < result["tokens"] / 60 < 2000
+    assert len(result["seconds_together"]) == 2 and result["spread_seconds"] >= 0 and result["seconds_alone"] > 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
