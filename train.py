@@ -301,14 +301,13 @@ def write_failure(err: BaseException, output_dir: str) -> str | None:
 
 def lost_rank(err: BaseException) -> str | None:
     """What a collective reported when another rank stopped answering (its node killed, lost, or out of memory), or
-    its timeout ran out; None for any other failure. gloo raises DistBackendError or a RuntimeError naming the closed
-    connection; NCCL's watchdog raises DistBackendError at the timeout."""
+    its timeout ran out; None for any other failure (its traceback is then shown as it is). gloo raises a RuntimeError
+    naming the closed connection or the timeout ("Timed out waiting ..."); NCCL's watchdog raises DistBackendError."""
     import torch.distributed as dist
 
     message = str(err)
     lost = isinstance(err, dist.DistError) or any(
-        sign in message for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                     "Timed out", "NCCL", "ProcessGroupGloo"))
+        sign in message for sign in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
     return f"{type(err).__name__}: {message.splitlines()[0][:300]}" if lost else None
 
 

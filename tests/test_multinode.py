@@ -89,6 +89,18 @@ def test_a_wrong_machine_rank_or_a_taken_port_is_named_before_anything_starts():
         assert node_problems(launch(1, port), {}) == []  # only machine rank 0 binds it
 
 
+def test_only_a_lost_rank_or_a_collective_timeout_is_reported_as_one():
+    """Those end the run with one line and the resume; any other error keeps its traceback."""
+    from train import lost_rank
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18823. This is "
+                        "typically caused by a remote worker crashing.\nmore")
+    assert lost_rank(gloo) == "RuntimeError: " + str(gloo).splitlines()[0]
+    assert lost_rank(RuntimeError("[pair.cc:598] Timed out waiting 120000ms for recv operation to complete"))
+    assert lost_rank(torch.distributed.DistBackendError("Watchdog caught collective operation timeout"))
+    assert lost_rank(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+
+
 @pytest.mark.parametrize("config", sorted((REPO_DIR / "configs").glob("*config*.yaml")), ids=lambda p: p.name)
 def test_the_machine_settings_are_read_as_accelerate_reads_them(config):
     """launch.machine_settings reads the flags and the config file without accelerate (which imports torch); accelerate
