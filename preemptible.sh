@@ -15,13 +15,16 @@
 set -uo pipefail
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-280}
 # The interpreter of the launch: the command itself (python -m accelerate.commands.launch), or the one accelerate's
-# script names on its first line.
+# script names on its first line (a launcher found nowhere fails below, as it would without the check).
+python=
 if [[ $1 == *python* ]]; then
   python=$1
-else
-  read -r shebang < "$(command -v "$1")" && python=${shebang#\#!}
+elif launcher=$(command -v "$1") && read -r shebang < "$launcher" && [[ $shebang == *python* ]]; then
+  python=${shebang#\#!}
 fi
-${python:-python3} "$(dirname "$0")/launch.py" check-node "$@" || exit 2
+if [[ -n $python ]]; then
+  $python "$(dirname "$0")/launch.py" check-node "$@" || exit 2
+fi
 RECIPE_STOP_REPORT=$(mktemp) && export RECIPE_STOP_REPORT
 signalled=
 trap 'signalled=143' TERM  # run once the launch has ended: bash waits for a foreground command first
