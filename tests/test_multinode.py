@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCH_ENV, free_port, node_launch, signal_tree, tiny_run_args
+from conftest import free_port, node_launch, signal_tree, tiny_run_args
 from safetensors.torch import load_file
 from test_reliability import losses, recipe, straight_run
 
-from checkpoints import COMPLETE
+from checkpoints import COMPLETE, checkpoints
 from launch import machine_settings, node_problems
 from model_files import REPO_DIR
 
@@ -36,7 +36,7 @@ class Machine:
         self.process = subprocess.Popen(
             ["bash", "preemptible.sh", *node_launch(MULTINODE_FSDP2, rank, port), script, *argv], cwd=REPO_DIR,
             stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, **LAUNCH_ENV, **env})
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
     @property
     def output(self) -> str:
@@ -158,7 +158,7 @@ def test_the_slurm_script_unmodified_trains_on_two_nodes(tiny_model_dir, chat_di
                           "--gradient_accumulation_steps", "1", "--splits", "train", "--eval_strategy", "no",
                           "--save_strategy", "no", "--max_length", "256", "--use_flash_attn", "false",
                           "--activation_checkpointing", "false")
-    environment = {**os.environ, **LAUNCH_ENV, "SLURM_JOB_NODELIST": "node-[0-1]", "SLURM_SUBMIT_DIR": str(REPO_DIR),
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_NODELIST": "node-[0-1]", "SLURM_SUBMIT_DIR": str(REPO_DIR),
                    "GPUS_PER_NODE": "1", "MAIN_PORT": str(free_port()), "SRUN_LOGS": str(logs),
                    "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
     result = subprocess.run(["bash", str(REPO_DIR / "slurm" / "run_peft_fsdp_multinode.sbatch"), *flags],
@@ -175,9 +175,11 @@ def test_the_slurm_script_unmodified_trains_on_two_nodes(tiny_model_dir, chat_di
 def test_a_killed_machine_stops_the_other_and_a_preempted_one_stops_both_then_two_machines_resume_exactly(
         tiny_model_dir, chat_dir, tmp_path, tmp_path_factory):
     """1. Machine 1 killed (SIGKILL to all its processes, as a node failure) after checkpoint 4: machine 0 stops with
-    an error naming the lost ranks, the collective timeout and the resume, well within that timeout.
-    2. Resumed on two machines; SIGTERM to machine 0 alone (as SLURM's warning, or preemption of one node): both
-    machines save the same step and both launches exit 143.
+    an error naming the lost ranks, the collective timeout and the resume, well within that timeout. Then the newest
+    checkpoint's FSDP2 shards are truncated on disk (tests/test_reliability.py does the same on one process and
+    ZeRO-3).
+    2. Resumed on two machines from the intact checkpoint before it; SIGTERM to machine 0 alone (as SLURM's warning,
+    or preemption of one node): both machines save the same step and both launches exit 143.
     3. Resumed again: the losses after the resume point and the final adapter are the uninterrupted run's."""
     straight_out = straight_run(tiny_model_dir, chat_dir, tmp_path_factory)
     out = tmp_path / "run"
@@ -194,10 +196,16 @@ def test_a_killed_machine_stops_the_other_and_a_preempted_one_stops_both_then_tw
     assert "lost the other ranks" in output and "(--ddp_timeout)" in output, output[-4000:]
     assert "--resume_from_checkpoint latest (last complete checkpoint:" in output
     machines[1].wait()
+    completed = sorted(step for step, _, done in checkpoints(out) if done)
+    damaged = out / f"checkpoint-{completed[-1]}"
+    shard = max(damaged.glob("pytorch_model_fsdp_0/*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
 
     resumed = [*argv, "--resume_from_checkpoint", "latest"]
     machines = two_machines(resumed, tmp_path / "preempted", script="tests/slow_step_worker.py", **slow)
     wait_until(lambda: losses_in(machines[0]), machines)  # a step of the resumed run done, the next begun
+    assert f"skipping {damaged}, damaged after it was written: {shard} has" in machines[0].output
+    assert f"resuming from {out / f'checkpoint-{completed[-2]}'}" in machines[0].output
     machines[0].signal_every_process(signal.SIGTERM)
     codes = [machine.wait(timeout=120) for machine in machines]
     assert codes == [143, 143], [m.output[-3000:] for m in machines]
