@@ -119,18 +119,21 @@ def pytest_generate_tests(metafunc):
         return
     from hardware import native_bf16_supported
 
-    metafunc.fixturenames.append("bf16_path")
+    if "repeat_without_native_bf16" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("repeat_without_native_bf16")
     paths = ["native-bf16", "no-native-bf16"] if native_bf16_supported() else ["no-native-bf16"]
-    metafunc.parametrize("bf16_path", paths, indirect=True)
+    metafunc.parametrize("repeat_without_native_bf16", paths, indirect=True)
 
 
 @pytest.fixture
-def bf16_path(request, monkeypatch):
+def repeat_without_native_bf16(request, monkeypatch) -> bool:
+    """True in the second pass of a native_bf16 test on a machine with native bf16, where the probe now says no."""
     from hardware import NATIVE_BF16_SWITCH, native_bf16_supported
 
     if request.param == "no-native-bf16" and native_bf16_supported():
         monkeypatch.setenv(NATIVE_BF16_SWITCH, "0")
-    return request.param
+        return True
+    return False
 
 
 @pytest.fixture(scope="session")
