@@ -46,14 +46,15 @@ def checkpoints(output_dir: str | Path) -> list[tuple[int, Path, bool]]:
     return sorted(found)
 
 
+def sha256_of(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def file_records(folder: Path) -> dict[str, dict]:
     """Every file under a checkpoint folder but the marker: relative path -> size and SHA-256."""
-    records = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE):
-        with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        records[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": digest}
-    return records
+    return {path.relative_to(folder).as_posix(): {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+            for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE)}
 
 
 def damage(folder: str | Path) -> str | None:
@@ -70,9 +71,8 @@ def damage(folder: str | Path) -> str | None:
         if (size := path.stat().st_size) != record["bytes"]:
             return f"{path} has {size} bytes, {record['bytes']} were written"
     for name, record in recorded.items():
-        with open(folder / name, "rb") as f:
-            if hashlib.file_digest(f, "sha256").hexdigest() != record["sha256"]:
-                return f"{folder / name} changed after it was written (its SHA-256 differs)"
+        if sha256_of(folder / name) != record["sha256"]:
+            return f"{folder / name} changed after it was written (its SHA-256 differs)"
     return None
 
 
@@ -98,15 +98,14 @@ def resume_point(resume: str | None, output_dir: str | Path) -> str | None:
     start when there is none. A named checkpoint was verified by preflight (checks.resume_checkpoint)."""
     if resume != "latest":
         return resume
-    rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
-        torch.distributed.get_rank() == 0
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     found = [None]
-    if rank0:
+    if not distributed or torch.distributed.get_rank() == 0:
         found[0], skipped = latest_intact(output_dir)
         for path, why in skipped:
             print(f"--resume_from_checkpoint latest: skipping {path}, damaged after it was written: {why}; resuming "
                   f"from {found[0] or 'the start (no intact checkpoint)'}", file=sys.stderr, flush=True)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if distributed:
         torch.distributed.broadcast_object_list(found, src=0)
     return found[0]
 

@@ -155,8 +155,8 @@ def machine_settings(command: list[str], env: Mapping[str, str]) -> dict | None:
     for name in ("config_file", "num_machines", "machine_rank", "main_process_ip", "main_process_port"):
         parser.add_argument(f"--{name}")
     flags, _ = parser.parse_known_args(command[start:script])
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface")
-    config_file = Path(flags.config_file or os.path.join(os.path.expanduser(home), "accelerate", "default_config.yaml"))
+    home = os.path.expanduser(env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
+    config_file = Path(flags.config_file or os.path.join(home, "accelerate", "default_config.yaml"))
     config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.is_file() else {}
 
     def setting(name: str, default):
@@ -195,7 +195,8 @@ def node_problems(command: list[str], env: Mapping[str, str]) -> list[str]:
         if variable in env and int(env[variable]) != value:
             problems.append(f"{flag} {value}, but SLURM says {variable}={env[variable]}: the rank expression was "
                             "evaluated once for every node (in double quotes, by the batch shell) instead of on each "
-                            f"node; quote it so each node's shell expands ${variable} (slurm/run_peft_fsdp_multinode.sbatch)")
+                            f"node; quote it so each node's shell expands ${variable} "
+                            "(slurm/run_peft_fsdp_multinode.sbatch)")
     if problems or rank != 0 or not port:
         return problems
     host = address if machines > 1 and address else "0.0.0.0"

@@ -158,7 +158,8 @@ def test_the_slurm_script_unmodified_trains_on_two_nodes(tiny_model_dir, chat_di
                           "--gradient_accumulation_steps", "1", "--splits", "train", "--eval_strategy", "no",
                           "--save_strategy", "no", "--max_length", "256", "--use_flash_attn", "false",
                           "--activation_checkpointing", "false")
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_NODELIST": "node-[0-1]", "SLURM_SUBMIT_DIR": str(REPO_DIR),
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_NODELIST": "node-[0-1]",
+                   "SLURM_SUBMIT_DIR": str(REPO_DIR),
                    "GPUS_PER_NODE": "1", "MAIN_PORT": str(free_port()), "SRUN_LOGS": str(logs),
                    "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
     result = subprocess.run(["bash", str(REPO_DIR / "slurm" / "run_peft_fsdp_multinode.sbatch"), *flags],

@@ -98,11 +98,11 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_
     partial.mkdir()
     (partial / "optimizer.pt").write_bytes(b"truncated")
     assert latest_complete(out).endswith(f"checkpoint-{max(completed)}")
-    # The newest complete checkpoint then damaged on disk: its weights (one process: the adapter; FSDP2: the DCP
-    # shards; ZeRO-3: the partitioned states) truncated to half. `latest` falls back to the one before.
+    # The newest complete checkpoint then damaged on disk: its weights (one process: the adapter; ZeRO-3: the largest
+    # of the adapter and the partitioned model states) truncated to half. `latest` falls back to the one before.
     damaged = out / f"checkpoint-{max(completed)}"
-    weights = max((p for p in damaged.rglob("*") if p.is_file() and p.name != COMPLETE and
-                   (p.suffix in (".safetensors", ".distcp") or "model_states" in p.name)), key=lambda p: p.stat().st_size)
+    weights = max((p for p in damaged.rglob("*") if p.suffix == ".safetensors" or "model_states" in p.name),
+                  key=lambda p: p.stat().st_size)
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     completed.remove(max(completed))
 
