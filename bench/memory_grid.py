@@ -67,7 +67,7 @@ class ModelShape:
 MODELS = {
     # Llama-3's vocabulary, untied head: 0.57 G parameters, 2.1 GiB in fp32
     "llama-2g": ModelShape("llama", 128256, 2048, 2, 2048, 16, 8, tied=False),
-    # The same at half the width: 0.28 G parameters, 1.05 GiB in fp32 (the tests' sharded case: gloo moves the gathered
+    # The same at half the width: 0.28 G parameters, 1.05 GiB in fp32 (the tests' model: gloo moves the gathered
     # vocabulary matrices through loopback TCP at a few hundred MB/s, which makes the 2.1 GiB one take minutes there)
     "llama-1g": ModelShape("llama", 128256, 1024, 2, 2048, 8, 4, tied=False),
     # Qwen2.5's vocabulary, untied head: 1.1 G parameters, 4.1 GiB in fp32

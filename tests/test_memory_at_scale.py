@@ -1,6 +1,6 @@
-"""The memory plan against runs of train.py on a 2.1 GiB model and a 128k-vocabulary loss, measured from outside the
-processes (bench/memory_grid.py runs the whole grid at two steps; this is its reduced case, one step each): each phase of
-each rank within 10% (or 50 MiB) of the plan."""
+"""The memory plan against runs of train.py on a 1.05 GiB model and a 128k-vocabulary loss, measured from outside the
+processes (bench/memory_grid.py runs the whole grid, up to 4.1 GiB, at two steps; this is its reduced case, one step
+each): each phase of each rank within 10% (or 50 MiB) of the plan."""
 
 import os
 import sys
@@ -17,8 +17,8 @@ REDUCED_GRID = [
     # the loss over a 128k vocabulary: 2048 labels (bench/memory_grid.py measures 4096), and 1024 on 2 processes
     Case("llama-logits", "one", "lora", 2048, False, supervised=1.0, steps=1),
     Case("llama-logits", "fsdp2", "lora", 1024, False, supervised=1.0, steps=1),
-    Case("llama-2g", "one", "lora", 256, False, steps=1),  # 2.1 GiB of weights
-    Case("llama-1g", "fsdp2", "lora", 256, False, steps=1),  # 1.05 GiB, loaded from rank 0 and sharded
+    Case("llama-1g", "one", "lora", 256, False, steps=1),  # 1.05 GiB of weights, half llama-2g's width
+    Case("llama-1g", "fsdp2", "lora", 256, False, steps=1),  # the same, loaded from rank 0 and sharded
 ]
 
 
