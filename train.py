@@ -376,5 +376,23 @@ def log_done(config: Configuration, summary: dict, step_times: StepTimes) -> Non
         + f"; adapter and tokenizer in {config.training.output_dir}")
 
 
+def close_process_group() -> None:
+    """Destroy the process group once a run has ended well. Left to the interpreter's exit, gloo's threads can outlive
+    it and abort the process (SIGABRT, "terminate called without an active exception"; torch 2.13, pytorch issue
+    190489): a run that trained and saved then exits -6, and its launch reports a failure (seen once in the tests'
+    two-machine ZeRO-3 launch). Never after a failure: another rank may still be inside a collective, and destroying
+    the group under it can hang."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    """`python train.py ARGS`."""
+    run(argv)
+    close_process_group()
+
+
 if __name__ == "__main__":
-    run(sys.argv[1:])
+    main(sys.argv[1:])

@@ -1,7 +1,7 @@
 """Runs train.py's recipe in each process of a launch, then records what the tests (and bench/gpu_check.py, one process
 per shipped config on a GPU) check: how the model was sharded, the loss history, the logits of the trained sharded
-model and its 4-bit layers. Not a copy of the recipe: `train.run` is the same call `python train.py` makes. Works
-under every engine the launchers use: FSDP1, FSDP2, DeepSpeed ZeRO-3."""
+model and its 4-bit layers. Not a copy of the recipe: `train.run`, then `train.close_process_group`, as `python train.py`
+does. Works under every engine the launchers use: FSDP1, FSDP2, DeepSpeed ZeRO-3."""
 
 import json
 import os
@@ -45,6 +45,7 @@ def main() -> None:
         torch.save(logits.float().cpu(), out / "sharded_logits.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     torch.save(four_bit_layers(model), out / f"rank{rank}_4bit.pt")
+    train.close_process_group()  # as `python train.py` ends
 
 
 def record_routing() -> dict[int, list[list[int]]]:

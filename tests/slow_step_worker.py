@@ -1,6 +1,6 @@
 """train.py's recipe with every step after the first made SLOW_STEP_SECONDS longer: a stand-in for a 70B step with
 gradient accumulation, which outlasts the launcher's default grace, for the preemption test. Not a copy of the recipe:
-`train.run` is the call `python train.py` makes, with one callback added to the trainer it builds."""
+`train.main` is the call `python train.py` makes, with one callback added to the trainer it builds."""
 
 import os
 import sys
@@ -29,4 +29,4 @@ def build_slow_trainer(*args):
 build_trainer, train.build_trainer = train.build_trainer, build_slow_trainer
 
 if __name__ == "__main__":
-    train.run(sys.argv[1:])
+    train.main(sys.argv[1:])

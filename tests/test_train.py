@@ -236,3 +236,21 @@ def test_remote_code_runs_only_when_asked(tiny_model_dir, monkeypatch):
         with pytest.raises(RuntimeError, match="stop before loading"):
             train.build_base_model(configure(["--model_name_or_path", str(tiny_model_dir), *extra]))
         assert seen[-1] is expected
+
+
+def test_the_command_closes_its_process_group_before_python_exits(tmp_path, monkeypatch):
+    """`python train.py` destroys the process group after a run that ended well (train.close_process_group: left to
+    the interpreter's exit, gloo's threads can abort a finished run). A one-process gloo group stands in for a
+    launch's; the run itself is replaced, as only the order matters here."""
+    import torch.distributed as dist
+
+    ran = []
+    monkeypatch.setattr(train, "run", lambda argv: ran.append(dist.is_initialized()))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        train.main([])
+        assert ran == [True] and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
