@@ -112,6 +112,13 @@ def losses(log_history) -> list[float]:
     return [entry["loss"] for entry in log_history if "loss" in entry]
 
 
+def pytest_collection_modifyitems(items):
+    """The tests that train or launch first, the unit tier last (a stable sort: file order otherwise). In file order
+    the last tests were long single-process runs (the default run, torch.compile), each alone on one core at the end
+    while the other worker had finished; short tests at the end fill both cores until the last moment."""
+    items.sort(key=lambda item: not (item.get_closest_marker("multiprocess") or item.get_closest_marker("e2e")))
+
+
 def pytest_generate_tests(metafunc):
     """Where this machine runs bf16 natively, each test marked native_bf16 runs twice in the same session: as it is,
     and as on a CPU without native bf16 (hardware.NATIVE_BF16_SWITCH=0, which the recipe's subprocesses inherit)."""
