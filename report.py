@@ -1,4 +1,4 @@
-"""What a person reads after a run: the training curves as a PNG and the model card of the adapter.
+"""What a person reads after a run: the training curves as an SVG and the model card of the adapter.
 
 Both are written from `run_summary.json`, which train.py leaves in the output folder (arguments, hardware, losses,
 held-out metrics, the log history).
@@ -7,10 +7,12 @@ held-out metrics, the log history).
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 SUMMARY_FILE = "run_summary.json"
-PLOT_FILE = "training_curves.png"
+PLOT_FILE = "training_curves.svg"
 # The plan's phases as the run measures them (train.py's PhasePeaks): loading is read, wrap and shard
 MEASURED_PARTS = {"load": ("read", "wrap", "shard"), "train": ("train",), "save": ("save",)}
 
@@ -48,34 +50,72 @@ def memory_against_plan(summary: dict, rank: int = 0) -> dict:
 
 
 def plot_history(log_history: list[dict], path: Path) -> Path:
-    """Train and eval loss, and the learning rate, against the optimizer step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Train and eval loss, and the learning rate, against the optimizer step: two line charts in one SVG, written
+    directly (a plotting library cost each run 2 s of imports for two polylines)."""
     def series(key):
-        points = [(entry["step"], entry[key]) for entry in log_history if key in entry and "step" in entry]
-        return zip(*points) if points else ((), ())
+        return [(entry["step"], entry[key]) for entry in log_history if key in entry and "step" in entry]
 
-    fig, (loss_ax, lr_ax) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for key, label, style in (("loss", "train", "-"), ("eval_loss", "eval", "o--")):
-        steps, values = series(key)
-        if steps:
-            loss_ax.plot(steps, values, style, label=label)
-    loss_ax.set(xlabel="step", ylabel="loss", title="loss")
-    losses = [entry[key] for entry in log_history for key in ("loss", "eval_loss") if key in entry]
-    if losses and min(losses) > 0 and max(losses) / min(losses) > 20:
-        loss_ax.set_yscale("log")  # fine-tuning losses often fall by orders of magnitude
-    if loss_ax.lines:  # a run shorter than --logging_steps logs no loss
-        loss_ax.legend()
-    steps, values = series("learning_rate")
-    lr_ax.plot(steps, values)
-    lr_ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    losses = [value for key in ("loss", "eval_loss") for _, value in series(key)]
+    log_scale = bool(losses) and min(losses) > 0 and max(losses) / min(losses) > 20  # losses often fall 100-fold
+    panels = [Chart("loss", [("train", series("loss"), "#1f77b4", False), ("eval", series("eval_loss"), "#ff7f0e", True)],
+                    log_scale),
+              Chart("learning rate", [("", series("learning_rate"), "#1f77b4", False)], False)]
+    width, height = 1000, 360
+    body = "".join(chart.svg(x=i * width / 2, width=width / 2, height=height) for i, chart in enumerate(panels))
+    path.write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+                    f'font-family="sans-serif" font-size="12"><rect width="100%" height="100%" fill="white"/>'
+                    f"{body}</svg>\n")
     return path
+
+
+@dataclass
+class Chart:
+    """One line chart: each line a (label, [(step, value)], colour, dashed with markers) tuple."""
+
+    title: str
+    lines: list[tuple[str, list[tuple[float, float]], str, bool]]
+    log_scale: bool
+    MARGIN = (60, 20, 30, 40)  # left, right, top, bottom
+
+    def svg(self, x: float, width: float, height: float) -> str:
+        left, right, top, bottom = self.MARGIN
+        points = [point for _, line, _, _ in self.lines for point in line]
+        out = [f'<g transform="translate({x:.0f},0)"><text x="{width / 2:.0f}" y="18" text-anchor="middle">'
+               f"{self.title}</text>",
+               f'<rect x="{left}" y="{top}" width="{width - left - right:.0f}" height="{height - top - bottom:.0f}" '
+               'fill="none" stroke="black"/>',
+               f'<text x="{width / 2:.0f}" y="{height - 6:.0f}" text-anchor="middle">step</text>']
+        if not points:  # a run shorter than --logging_steps logs no loss
+            return "".join(out) + "</g>"
+        scale = math.log10 if self.log_scale else float
+        steps, levels = [p[0] for p in points], [scale(p[1]) for p in points]
+        x0, x1 = min(steps), max(max(steps), min(steps) + 1)
+        y0, y1 = min(levels), max(max(levels), min(levels) + 1e-9)
+
+        def to_x(step):
+            return left + (step - x0) / (x1 - x0) * (width - left - right)
+
+        def to_y(level):
+            return height - bottom - (level - y0) / (y1 - y0) * (height - top - bottom)
+
+        for fraction in (0, 0.5, 1):  # three ticks on each axis: the ends and the middle
+            step, level = x0 + fraction * (x1 - x0), y0 + fraction * (y1 - y0)
+            label = 10 ** level if self.log_scale else level
+            out.append(f'<text x="{to_x(step):.1f}" y="{height - bottom + 14}" text-anchor="middle">{step:g}</text>'
+                       f'<text x="{left - 4}" y="{to_y(level) + 4:.1f}" text-anchor="end">{label:.3g}</text>')
+        for number, (label, line, colour, dashed) in enumerate(self.lines):
+            if not line:
+                continue
+            coordinates = [(to_x(step), to_y(scale(value))) for step, value in line]
+            style = ' stroke-dasharray="6,4"' if dashed else ""
+            out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5"{style} points="'
+                       + " ".join(f"{px:.1f},{py:.1f}" for px, py in coordinates) + '"/>')
+            if dashed:
+                out.extend(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{colour}"/>' for px, py in coordinates)
+            if label:
+                out.append(f'<text x="{width - right - 8:.0f}" y="{top + 16 + 16 * number}" text-anchor="end" '
+                           f'fill="{colour}">{label}</text>')
+        return "".join(out) + "</g>"
 
 
 def model_card(summary: dict) -> str:
@@ -140,7 +180,7 @@ TRAINING_KEYS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_d
 
 def write_run_report(out_dir: Path, arguments: dict, results: dict, log_history: list[dict], hardware: str,
                      decisions: list[dict]) -> dict:
-    """run_summary.json (with what configuration.settle decided, and why), training_curves.png and the model card
+    """run_summary.json (with what configuration.settle decided, and why), training_curves.svg and the model card
     (README.md) in `out_dir`."""
     import datetime
 

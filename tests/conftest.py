@@ -6,11 +6,14 @@ Tiers (markers, see pytest.ini): unmarked tests are the unit tier (`make test-fa
 or start the recipe's commands; `multiprocess` tests launch 2 processes over gloo.
 """
 
+import gc
 import os
 import sys
 from pathlib import Path
 
 import pytest
+
+gc.disable()  # while the test modules import the libraries, as train.py does; frozen and enabled once collected
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -117,6 +120,11 @@ def pytest_collection_modifyitems(items):
     the last tests were long single-process runs (the default run, torch.compile), each alone on one core at the end
     while the other worker had finished; short tests at the end fill both cores until the last moment."""
     items.sort(key=lambda item: not (item.get_closest_marker("multiprocess") or item.get_closest_marker("e2e")))
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
+    gc.enable()
 
 
 def pytest_generate_tests(metafunc):

@@ -12,7 +12,8 @@ import compat
 
 @pytest.mark.parametrize("package, version", [("peft", compat.PEFT_VERSION), ("trl", compat.TRL_VERSION),
                                               ("torch", compat.TORCH_VERSION), ("deepspeed", compat.DEEPSPEED_VERSION),
-                                              ("transformers", compat.TRANSFORMERS_VERSION)])
+                                              ("transformers", compat.TRANSFORMERS_VERSION),
+                                              ("bitsandbytes", compat.BITSANDBYTES_VERSION)])
 def test_the_pinned_versions_are_the_ones_the_patches_were_written_for(package, version):
     assert importlib.import_module(package).__version__.startswith(version)
 
@@ -50,6 +51,48 @@ def test_torch_fsdp1_guard_is_where_the_patch_lifts_it():
     assert "cpu" in guard.lower()
     assert "_check_module_states_for_sync_module_states(" in inspect.getsource(_init_utils._sync_module_params_and_buffers) \
         or "_check_module_states_for_sync_module_states(" in inspect.getsource(_init_utils)
+
+
+def test_bitsandbytes_compiles_its_kernels_when_it_is_imported():
+    """The deferral is worth keeping while bitsandbytes calls torch.compile on its kernels at import."""
+    from bitsandbytes.backends.default import ops
+
+    assert "torch.compile(fn" in inspect.getsource(ops._try_torch_compile)
+    assert inspect.getsource(ops).count("@_try_torch_compile") >= 4
+
+
+def test_a_deferred_compile_compiles_once_on_the_first_call_or_runs_the_function_as_written():
+    calls = []
+
+    def compile_now(function, **options):
+        calls.append(options)
+        return lambda x: function(x) + 100
+
+    compile_later = compat._compile_on_first_call(compile_now)
+    doubled = compile_later(lambda x: 2 * x, dynamic=False)
+    assert calls == []  # not at decoration
+    assert doubled(1) == 102 and doubled(2) == 104 and calls == [{"dynamic": False}]  # once, with its options
+    assert compile_later(dynamic=True)(lambda x: 3 * x)(1) == 103  # as @torch.compile(...)
+
+    def refuse(function, **options):
+        raise RuntimeError("not supported here")
+
+    assert compat._compile_on_first_call(refuse)(lambda x: 2 * x)(1) == 2
+
+
+@pytest.mark.e2e
+def test_the_recipe_starts_without_importing_torchs_inductor():
+    """What the deferral saves: nothing the recipe imports loads the inductor (a subprocess: this one may have). And
+    the libraries' objects are frozen out of the collector once imported (train.py), which is on again."""
+    import subprocess
+    import sys
+
+    from model_files import REPO_DIR
+
+    probe = ("import gc, sys, train; print(sorted(m for m in sys.modules if m.startswith('torch._inductor.compile_fx')),"
+             " gc.get_freeze_count() > 10**5, gc.isenabled())")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_DIR, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[] True True", result.stdout
 
 
 def test_deepspeed_lists_its_shm_comm_op_among_the_compatible_ops():

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -36,7 +37,15 @@ def test_run_leaves_a_report_and_curves(trained):
     assert {"padding_free", "attention", "use_cpu"} <= {decision["setting"] for decision in summary["decisions"]}
     assert len(summary["results"]["step_seconds"]) == 4 and all(x > 0 for x in summary["results"]["step_seconds"])
     assert [e["step"] for e in summary["log_history"] if "loss" in e] == [1, 2, 3, 4]
-    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The curves: one point per logged train loss, one per evaluation, one per learning rate, each inside its chart
+    svg = ElementTree.parse(out / "training_curves.svg").getroot()
+    lines = svg.findall(".//{http://www.w3.org/2000/svg}polyline")
+    counts = [len(line.get("points").split()) for line in lines]
+    evaluations = sum("eval_loss" in e for e in summary["log_history"])
+    assert counts == [4, evaluations, sum("learning_rate" in e for e in summary["log_history"])] and evaluations
+    for line in lines:
+        assert all(60 <= float(x) <= 480 and 30 <= float(y) <= 320
+                   for x, y in (point.split(",") for point in line.get("points").split()))
 
 
 def test_merge_matches_base_plus_adapter(trained, tiny_model_dir, tmp_path):
@@ -102,7 +111,7 @@ def test_publish_creates_a_private_repo_and_uploads_a_checked_folder(trained, hu
     repo = hub.repos["someone/dates-adapter"]
     assert repo.private
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md",
-            "training_curves.png"} <= set(repo.files)
+            "training_curves.svg"} <= set(repo.files)
     assert repo.files["adapter_model.safetensors"] == (out / "adapter_model.safetensors").read_bytes()
     assert repo.files["README.md"] == (out / "README.md").read_bytes()  # the output folder's card is the recipe's
     for name, content in repo.files.items():  # no path of this machine: the base is recorded by its Hub id
@@ -110,7 +119,7 @@ def test_publish_creates_a_private_repo_and_uploads_a_checked_folder(trained, hu
     card = repo.files["README.md"].decode()
     assert f"base_model: {TINY_ID}" in card
     for expected in ("base_model:", "QLoRA" if quantized else "LoRA", "dates", "| lora_r | 16 |", "learning_rate",
-                     "train loss", "after 4 steps", "eval loss", "exact match", "training_curves.png",
+                     "train loss", "after 4 steps", "eval loss", "exact match", "training_curves.svg",
                      "AutoPeftModelForCausalLM", "hardware: 1 x CPU"):
         assert expected in card, expected
     # The token travels in the Authorization header only: in no request body, no uploaded file, no file of the run

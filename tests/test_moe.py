@@ -259,10 +259,13 @@ def test_two_processes_equal_one_process(case, moe_dirs, mixtral64_dir, chat_dir
         assert experts and all(p["local_numel"] < p["numel"] for p in experts)  # every expert matrix sharded
 
     trainer, _ = train.run([*recipe_args(model_dir, chat_dir, tmp_path / "one", 4, quantized), *args])
-    # 4-bit: the two runs reduce gradients in another order over bf16-stored weights; fp32: rounding only
-    tolerance = dict(rtol=1e-2, atol=0) if quantized else dict(rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(losses(ranks[0]["log_history"])),
-                               torch.tensor(losses(trainer.state.log_history)), **tolerance)
+    # 4-bit: the two runs reduce gradients in another order over bf16-stored weights; fp32: rounding only. The grad
+    # norm of a 4-bit run on one process is bf16 (TRL keeps a quantized model's adapter in bf16: each of its 784
+    # tensors' norms is rounded to 8 bits before they are combined), DeepSpeed's is fp32: 1.6% apart in step 3 on an
+    # AVX2 CPU, within 1% on an AVX512-BF16 one (measured)
+    two, one = torch.tensor(losses(ranks[0]["log_history"])), torch.tensor(losses(trainer.state.log_history))
+    torch.testing.assert_close(two[:, 0], one[:, 0], rtol=1e-2 if quantized else 1e-5, atol=0)
+    torch.testing.assert_close(two[:, 1], one[:, 1], rtol=3e-2 if quantized else 1e-5, atol=0)
 
     if family == "mixtral64":  # a forward in which one rank reached an expert the other never did
         reached = [report["experts_reached"] for report in ranks]
