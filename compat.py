@@ -176,7 +176,7 @@ def _compile_on_first_call(compile_now):
 
 # bitsandbytes passes about ten of its fallback kernels to torch.compile while it is imported
 # (backends/default/ops.py, `_try_torch_compile`), and torch.compile imports torch's inductor: 1.6 s of every process's
-# start on a 2 GHz CPU (`import train`: 9.8-10.3 s against 8.0-8.5 s, measured), for kernels that CPU runs with the
+# start on a 2 GHz CPU (`import train`: 9.8-10.3 s against 7.8-9.1 s, measured), for kernels that CPU runs with the
 # native library and GPU runs never call. peft and transformers import bitsandbytes whenever it is installed, so it is
 # imported here first, with the compilation deferred to each kernel's first call, where it happens as before.
 BITSANDBYTES_COMPILES_ON_FIRST_CALL = Patch(

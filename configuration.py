@@ -161,6 +161,7 @@ class Configuration:
     weights_from_rank0: bool = False  # rank 0 reads the checkpoint, the other ranks receive their shards (sharding.py)
     cpu_engine: str | None = None  # "fsdp" or "deepspeed" on a host without accelerator (accelerate would drop it)
     environment: dict[str, str] = field(default_factory=dict)  # exported before the trainer is built
+    compile_each_layer: bool = False  # --torch_compile, one graph per decoder layer (fast_paths.compile_settings)
     publish_to: str | None = None  # the Hub repo export.publish uploads to at the end (the Trainer never pushes)
     hub_token: str | None = field(default=None, repr=False)  # kept out of `training`, which is pickled to disk
     token_on_command_line: bool = False  # --hub_token was a flag: every user of the machine can read it (ps)
@@ -364,6 +365,7 @@ def decide_cpu_engine(config: Configuration) -> None:
 def decide_compile(config: Configuration) -> None:
     if config.training.torch_compile:
         config.environment, compiled = compile_settings(config.launch.env)
+        config.compile_each_layer = compiled == "each decoder layer"
         config.decisions.append(Decision("torch_compile", compiled, "regional compilation for any length, unless the "
                                          "accelerate config or ACCELERATE_DYNAMO_* says otherwise"))
 

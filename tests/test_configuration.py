@@ -98,10 +98,10 @@ def test_torch_compile_exports_per_layer_settings_unless_the_launch_sets_them():
     config = settled(["--torch_compile", "true"])
     assert config.environment == {"ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true",
                                   "ACCELERATE_DYNAMO_USE_DYNAMIC": "true"}
-    assert decided(config)["torch_compile"].value == "each decoder layer"
+    assert decided(config)["torch_compile"].value == "each decoder layer" and config.compile_each_layer
     whole = settled(["--torch_compile", "true"], launch=Launch({"ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "false"}))
     assert whole.environment == {"ACCELERATE_DYNAMO_USE_DYNAMIC": "true"}
-    assert decided(whole)["torch_compile"].value == "the whole model"
+    assert decided(whole)["torch_compile"].value == "the whole model" and not whole.compile_each_layer
 
 
 def test_the_native_bf16_switch_overrides_the_probe(monkeypatch):
