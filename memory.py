@@ -53,9 +53,12 @@ def meta_model(config):
     ("Cannot copy out of meta tensor"); its own marker for "zero.Init is already active" keeps it out."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.modeling_utils import set_zero3_state
 
-    with init_empty_weights(), set_zero3_state():  # a copy: from_config writes its dtype into the config it is given
+    # No initialisation: on meta tensors it only costs time (Llama-2-7B's tree: 0.35 s, and 0.06 s without).
+    # from_config gets a copy: it writes its dtype into the config it is given.
+    with init_empty_weights(), set_zero3_state(), no_init_weights():
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16)
     model.tie_weights()  # shared input/output embeddings count once, as in the loaded model
     return model
