@@ -81,18 +81,33 @@ def test_a_deferred_compile_compiles_once_on_the_first_call_or_runs_the_function
 
 
 @pytest.mark.e2e
-def test_the_recipe_starts_without_importing_torchs_inductor():
-    """What the deferral saves: nothing the recipe imports loads the inductor (a subprocess: this one may have). And
-    the libraries' objects are frozen out of the collector once imported (train.py), which is on again."""
+def test_the_recipe_starts_without_importing_torchs_inductor_or_deepspeed():
+    """What the deferrals save: nothing the recipe imports loads the inductor, and accelerate's unwrapping of a model
+    (patched) does not load deepspeed (a subprocess: this one may have both). And the libraries' objects are frozen
+    out of the collector once imported (train.py), which is on again."""
     import subprocess
     import sys
 
     from model_files import REPO_DIR
 
-    probe = ("import gc, sys, train; print(sorted(m for m in sys.modules if m.startswith('torch._inductor.compile_fx')),"
+    probe = ("import gc, sys, torch, train, compat; from accelerate.utils import extract_model_from_parallel; "
+             "compat.ACCELERATE_ASKS_DEEPSPEED_ONLY_ONCE_IMPORTED.apply(); "
+             "extract_model_from_parallel(torch.nn.Linear(2, 2)); "
+             "print(sorted(m for m in sys.modules if m.startswith(('torch._inductor.compile_fx', 'deepspeed'))),"
              " gc.get_freeze_count() > 10**5, gc.isenabled())")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_DIR, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[] True True", result.stdout
+
+
+def test_accelerate_imports_deepspeed_only_to_recognise_its_engine():
+    """accelerate.utils.other asks `is_deepspeed_available()` once, in extract_model_from_parallel, to import
+    DeepSpeedEngine: what the patch answers for that module alone."""
+    from accelerate.utils import other
+
+    source = inspect.getsource(other)
+    assert source.count("is_deepspeed_available()") == 1
+    unwrap = inspect.getsource(other.extract_model_from_parallel)
+    assert "if is_deepspeed_available():\n        from deepspeed import DeepSpeedEngine" in unwrap
 
 
 def test_deepspeed_lists_its_shm_comm_op_among_the_compatible_ops():
