@@ -136,6 +136,11 @@ class DataArguments:
         metadata={"help": "Held-out chat prompts answered before and after training for exact match (0 disables)."},
     )
     eval_max_new_tokens: int = field(default=32, metadata={"help": "Token budget for each held-out answer."})
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={"help": "Compute the eval loss on the first N examples of the eval split (default: all of them); "
+                  "a large split's evaluation can take longer than the training between two evaluations."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Allow training into an --output_dir that already holds another run (its adapter, "
@@ -171,6 +176,9 @@ class DataArguments:
             raise ConfigError("--splits has no train split; add train (for example --splits train,test).")
         if "test" in names and "validation" in names:
             raise ConfigError("--splits names both test and validation; keep one as the eval split.")
+        if self.max_eval_samples is not None and self.max_eval_samples < 1:
+            raise ConfigError(f"--max_eval_samples must be positive, got {self.max_eval_samples}; leave it out to "
+                              "evaluate on the whole eval split.")
 
     @property
     def split_names(self) -> list[str]:

@@ -261,7 +261,7 @@ def build_trainer(config: Configuration, model, data: TrainingData):
         model=model,
         args=config.training,
         train_dataset=data.datasets["train"],
-        eval_dataset=data.datasets.get(config.data.eval_split) if config.data.eval_split else None,
+        eval_dataset=data.evaluation(config.data.eval_split, config.data.max_eval_samples),
         processing_class=config.facts.tokenizer,
         peft_config=build_peft_config(config.model, config.facts.added_token_ids, model),
         callbacks=[step_times],

@@ -389,6 +389,13 @@ class TrainingData:
     truncated: list[BadExample] = field(default_factory=list)  # trained cut to --max_length (--long_examples truncate)
     converted_from: str | None = None  # sharegpt / alpaca: the shape the rows had before they became chat messages
 
+    def evaluation(self, split: str | None, limit: int | None = None):
+        """The tokenized eval split, or its first `limit` examples (None without an eval split)."""
+        dataset = self.datasets.get(split) if split else None
+        if dataset is None or limit is None:
+            return dataset
+        return dataset.select(range(min(limit, len(dataset))))
+
     @property
     def conversion(self) -> str | None:
         """What the rows' conversion to chat messages did, for the run's log."""

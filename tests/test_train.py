@@ -133,10 +133,12 @@ def test_added_template_tokens_are_trained_saved_and_reload_without_size_mismatc
 @pytest.mark.e2e
 @pytest.mark.native_bf16
 def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
-    """The README's default run, shortened to a few steps: the held-out metric rises and the adapter is saved."""
+    """The README's default run, shortened to a few steps (and its eval loss to 16 examples): the held-out metric rises
+    and the adapter is saved."""
     trainer, summary = train.run(["--output_dir", str(tmp_path / "out"), "--max_steps", "6", "--eval_num_prompts", "16",
-                                  "--disable_tqdm", "true"])
+                                  "--max_eval_samples", "16", "--disable_tqdm", "true"])
     assert summary["exact_match_after"] > summary["exact_match_before"] + 0.2, summary
+    assert len(trainer.eval_dataset) == 16 and summary["eval_loss"] > 0  # of the 64 test examples
     # the defaults take fast_paths.py's attention on padding-free batches
     assert trainer.model.config._attn_implementation == "sdpa_varlen" and trainer.padding_free
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
