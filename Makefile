@@ -1,6 +1,6 @@
 # make demo:      set up .venv and fine-tune SmolLM2-135M-Instruct on the shipped dates data (CPU, see README).
 # make test:      set up .venv and run every test tier (CPU, no network beyond PyPI for the first install).
-# make test-fast: the unit tier only (no training, no subprocess of the recipe): under a minute once set up (56-57 s on a
+# make test-fast: the unit tier only (no training, no subprocess of the recipe): about a minute once set up (56-70 s on a
 #                 2 GHz AVX2 CPU).
 PYTHON ?= python3
 # Python writes bytecode as it imports (see the install below): an empty value is unset for Python
