@@ -2,7 +2,7 @@
 a small copy of the demo data, and the few steps every training test repeats (its arguments, the configuration and
 base model train.py would build, the logits of a probe prompt).
 
-Tiers (markers, see pytest.ini): unmarked tests are the unit tier (`make test-fast`, about a minute); `e2e` tests train
+Tiers (markers, see pytest.ini): unmarked tests are the unit tier (`make test-fast`, under a minute); `e2e` tests train
 or start the recipe's commands; `multiprocess` tests launch 2 processes over gloo.
 """
 
