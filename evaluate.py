@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from training_data import first_examples
+
 
 @dataclass
 class HeldOut:
@@ -20,7 +22,7 @@ class HeldOut:
 
 def heldout_examples(dataset, num_prompts: int) -> HeldOut | None:
     """Prompt = everything before the final answer; reference = the final answer. None for plain-text data."""
-    rows = dataset.select(range(min(num_prompts, len(dataset))))
+    rows = first_examples(dataset, num_prompts)
     prompts, references = [], []
     for row in rows:
         if "messages" in row:
@@ -77,7 +79,7 @@ def heldout_loss(model, tokenizer, dataset, num_examples: int, text_field: str =
     total, count = 0.0, 0
     was_training = model.training
     model.eval()
-    for row in dataset.select(range(min(num_examples, len(dataset)))):
+    for row in first_examples(dataset, num_examples):
         example = tokenize_example(row, tokenizer, data_format, text_field, False, data_format != "conversational")
         labels = torch.tensor([example["labels"]], device=model.device)
         logits = model(input_ids=torch.tensor([example["input_ids"]], device=model.device)).logits.float()

@@ -379,6 +379,11 @@ def token_counts(dataset) -> dict:
             "supervised_tokens": sum(sum(1 for t in x if t != IGNORE_INDEX) for x in labels)}
 
 
+def first_examples(dataset, count: int):
+    """The first `count` rows of a datasets.Dataset (all of them when it has fewer)."""
+    return dataset.select(range(min(count, len(dataset))))
+
+
 @dataclass
 class TrainingData:
     raw: Any  # the checked, untokenized splits (held-out prompts come from here)
@@ -392,9 +397,7 @@ class TrainingData:
     def evaluation(self, split: str | None, limit: int | None = None):
         """The tokenized eval split, or its first `limit` examples (None without an eval split)."""
         dataset = self.datasets.get(split) if split else None
-        if dataset is None or limit is None:
-            return dataset
-        return dataset.select(range(min(limit, len(dataset))))
+        return first_examples(dataset, limit) if dataset is not None and limit is not None else dataset
 
     @property
     def conversion(self) -> str | None:

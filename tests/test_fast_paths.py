@@ -61,7 +61,7 @@ def test_attention_per_packed_example_in_bf16_autocast(tiny_model_dir, smol_toke
         with torch.autocast("cpu", dtype=torch.bfloat16):
             losses[attention] = loss(load(tiny_model_dir, attention, torch.bfloat16), batch).float()
     assert abs(losses["sdpa_varlen"] - reference) < 0.02 * reference
-    print({name: float(loss - reference) for name, loss in losses.items()})
+    print({name: float(value - reference) for name, value in losses.items()})
     assert abs(losses["sdpa_varlen"] - reference) <= abs(losses["sdpa"] - reference) + 1e-3
 
 
