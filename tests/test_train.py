@@ -64,13 +64,18 @@ def test_lora_trains_only_the_adapter_and_the_saved_adapter_reloads(tiny_model_d
 @pytest.mark.e2e
 def test_torch_compile_compiles_each_decoder_layer_and_trains_as_eager(tiny_model_dir, chat_dir, tmp_path, capsys,
                                                                        monkeypatch):
+    """`--torch_compile` as the recipe sets it up: one graph per decoder layer, the first layer not compiled again,
+    the losses of eager. Through dynamo and AOTAutograd (`--torch_compile_backend aot_eager`): what the recipe decides
+    is all there, and inductor's code generation is not, which on a CPU builds C++ that no GPU run uses (60 of the
+    test's 80 s on a 2 GHz CPU). bench/benchmark.py runs `--torch_compile` with inductor and times it."""
     import torch._dynamo
 
     for name in ("BACKEND", "USE_REGIONAL_COMPILATION", "USE_DYNAMIC"):  # TrainingArguments sets them process-wide
         monkeypatch.setenv(f"ACCELERATE_DYNAMO_{name}", "")
         monkeypatch.delenv(f"ACCELERATE_DYNAMO_{name}")
     runs = {}
-    for mode, extra in (("eager", []), ("compiled", ["--torch_compile", "true"])):
+    for mode, extra in (("eager", []), ("compiled", ["--torch_compile", "true",
+                                                    "--torch_compile_backend", "aot_eager"])):
         argv = tiny_run_args(tiny_model_dir, chat_dir, tmp_path / mode, "--max_steps", "3", "--splits", "train", *extra)
         torch._dynamo.utils.counters.clear()
         torch._dynamo.utils.guard_failures.clear()
@@ -133,12 +138,12 @@ def test_added_template_tokens_are_trained_saved_and_reload_without_size_mismatc
 @pytest.mark.e2e
 @pytest.mark.native_bf16
 def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
-    """The README's default run, shortened to a few steps (and its eval loss to 16 examples): the held-out metric rises
-    and the adapter is saved."""
-    trainer, summary = train.run(["--output_dir", str(tmp_path / "out"), "--max_steps", "6", "--eval_num_prompts", "16",
-                                  "--max_eval_samples", "16", "--disable_tqdm", "true"])
+    """The README's default run, shortened to a few steps, 8 held-out prompts and an eval loss over 8 examples: the
+    held-out metric rises and the adapter is saved. (fp32 on a 2 GHz CPU: 0% before, 75% after.)"""
+    trainer, summary = train.run(["--output_dir", str(tmp_path / "out"), "--max_steps", "6", "--eval_num_prompts", "8",
+                                  "--max_eval_samples", "8", "--disable_tqdm", "true"])
     assert summary["exact_match_after"] > summary["exact_match_before"] + 0.2, summary
-    assert len(trainer.eval_dataset) == 16 and summary["eval_loss"] > 0  # of the 64 test examples
+    assert len(trainer.eval_dataset) == 8 and summary["eval_loss"] > 0  # of the 64 test examples
     # the defaults take fast_paths.py's attention on padding-free batches
     assert trainer.model.config._attn_implementation == "sdpa_varlen" and trainer.padding_free
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
