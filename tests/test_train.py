@@ -64,7 +64,7 @@ def test_lora_trains_only_the_adapter_and_the_saved_adapter_reloads(tiny_model_d
 @pytest.mark.e2e
 def test_torch_compile_compiles_each_decoder_layer_and_trains_as_eager(tiny_model_dir, chat_dir, tmp_path, capsys,
                                                                        monkeypatch):
-    """`--torch_compile` as the recipe sets it up: one graph per decoder layer, the first layer not compiled again,
+    """`--torch_compile` as the recipe sets it up: each decoder layer compiled on its own, the first not compiled again,
     the losses of eager. Through dynamo and AOTAutograd (`--torch_compile_backend aot_eager`): what the recipe decides
     is all there, and inductor's code generation is not, which on a CPU builds C++ that no GPU run uses (the test took
     81 s with it, 46 s without, on a 2 GHz CPU). bench/benchmark.py runs `--torch_compile` with inductor and times it."""
@@ -140,7 +140,7 @@ def test_added_template_tokens_are_trained_saved_and_reload_without_size_mismatc
 def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
     """The README's default run, shortened to 6 steps of 4 examples, 8 held-out prompts and an eval loss over 8
     examples: the held-out metric rises and the adapter is saved. (In fp32: 0% before, 75% after, as 6 steps of the
-    default 8 examples reach, in 71 s against 110-123 s on a 2 GHz CPU.)"""
+    default 8 examples reach, in 71 s against 123 s on a 2 GHz CPU.)"""
     trainer, summary = train.run(["--output_dir", str(tmp_path / "out"), "--max_steps", "6",
                                   "--per_device_train_batch_size", "4", "--eval_num_prompts", "8",
                                   "--max_eval_samples", "8", "--disable_tqdm", "true"])
