@@ -179,6 +179,9 @@ class DataArguments:
         if self.max_eval_samples is not None and self.max_eval_samples < 1:
             raise ConfigError(f"--max_eval_samples must be positive, got {self.max_eval_samples}; leave it out to "
                               "evaluate on the whole eval split.")
+        if self.max_eval_samples is not None and self.eval_split is None:
+            raise ConfigError("--max_eval_samples limits the eval split, and --splits names none; add one (for example "
+                              "--splits train,test) or leave --max_eval_samples out.")
 
     @property
     def split_names(self) -> list[str]:

@@ -98,6 +98,7 @@ def test_missing_config_file_is_refused(tmp_path):
     (["--splits", "train,dev"], "train, test, validation"),
     (["--lora_r", "0"], "must be positive"),
     (["--max_eval_samples", "0"], "--max_eval_samples must be positive"),
+    (["--splits", "train", "--max_eval_samples", "8"], "--max_eval_samples limits the eval split"),
     (["--warmup_steps", "-1"], "invalid training arguments"),
     (["--fsdp", "full_shard auto_wrap"], "--fsdp set up sharding inside the Trainer.*configs/fsdp2_config.yaml"),
     (["--deepspeed", "ds.json"], "--deepspeed set up sharding inside the Trainer.*configs/deepspeed_config.yaml"),
