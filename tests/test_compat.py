@@ -2,6 +2,7 @@
 patch is looked at again before it silently stops doing what it says)."""
 
 import importlib
+import importlib.metadata
 import inspect
 
 import pytest
@@ -153,3 +154,56 @@ def test_writing_a_modules_parameters_dict_replaces_the_parameter():
     replacement = torch.nn.Parameter(torch.zeros(2, 2))
     layer._parameters["weight"] = replacement
     assert dict(layer.named_parameters())["weight"] is replacement
+
+
+def test_transformers_models_table_is_what_its_own_walk_of_the_folder_makes():
+    """TRANSFORMERS_SCANS_ITS_MODELS_ONCE answers transformers/models/__init__.py from transformers/__init__.py's scan
+    of the same folder: the table equals upstream's own walk, comes from that scan's cache, and upstream still walks
+    the folder twice (the two calls below, a folder cache smaller than the folders) for the patch to be worth keeping."""
+    import os
+    from pathlib import Path
+
+    import transformers
+    from transformers.utils import import_utils
+
+    patch = compat.TRANSFORMERS_SCANS_ITS_MODELS_ONCE
+    assert patch._applied and import_utils.define_import_structure is not patch._original
+    models = Path(transformers.__file__).parent / "models"
+    assert 'define_import_structure(Path(__file__).parent / "models", prefix="models")' in inspect.getsource(
+        transformers)
+    assert "define_import_structure(_file)" in (models / "__init__.py").read_text()
+    folders = sum(len(dirs) for _, dirs, _ in os.walk(models))
+    assert import_utils.create_import_structure_from_path.cache_info().maxsize < folders
+
+    define = patch._original
+    hits = define.cache_info().hits
+    table = import_utils.define_import_structure(str(models / "__init__.py"))
+    assert define.cache_info().hits == hits + 1  # transformers/__init__.py's scan, not a second walk
+    assert table == define.__wrapped__(str(models / "__init__.py"))  # upstream's walk, uncached
+    assert "llama.modeling_llama" in table[frozenset({"torch"})]
+
+
+def test_gguf_read_once_serves_transformers_one_parse_and_one_name_map(tmp_path):
+    """GGUF_READ_ONCE: transformers imports GGUFReader and get_tensor_name_map from gguf inside the functions that read
+    a file (so the patched names reach it), and within gguf_read_once a file is parsed once and a map built once; both
+    names are gguf's own again afterwards. (The default model's conversion with and without it: byte-identical files.)"""
+    import gguf
+    import numpy as np
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    assert importlib.metadata.version("gguf").startswith(compat.GGUF_VERSION)
+    assert "reader = GGUFReader(gguf_checkpoint_path)" in inspect.getsource(hf_gguf.load_gguf_checkpoint)
+    assert "name_map = get_tensor_name_map(arch, num_layers)" in inspect.getsource(hf_gguf.get_gguf_hf_weights_map)
+    source = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(source, "llama")
+    writer.add_tensor("token_embd.weight", np.ones((4, 2), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with compat.gguf_read_once():
+        first = gguf.GGUFReader(source)
+        assert gguf.GGUFReader(str(source)) is first and isinstance(first, reader_class)
+        assert hf_gguf.read_field(first, "general.architecture") == ["llama"]
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(source) is not first
