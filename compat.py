@@ -237,9 +237,9 @@ def _models_scanned_once(define):
     return define_once
 
 
-# transformers builds the lazy import table of its ~450 model folders by reading every file in them, twice per process:
+# transformers builds the lazy import table of its ~550 model folders by reading every file in them, twice per process:
 # in transformers/__init__.py and again in transformers/models/__init__.py, because the per-folder cache between the
-# two (`create_import_structure_from_path`, an lru_cache of 128) is smaller than the ~550 folders it walks. The second
+# two (`create_import_structure_from_path`, an lru_cache of 128) is smaller than the folders it walks. The second
 # walk is 0.64 s of every process that uses a model on a 2 GHz CPU (measured); its table is the first one's without the
 # "models." prefix. Applied when this module is imported: after `import transformers`, before transformers.models.
 TRANSFORMERS_SCANS_ITS_MODELS_ONCE = Patch(
@@ -261,7 +261,7 @@ def _parsed_once(reader_class):
 
 # transformers reads a GGUF file three times to load a model and its tokenizer (the config, the weights, the
 # tokenizer: each `gguf.GGUFReader(path)` parses every metadata field in Python, the 49k-token vocabulary included,
-# 7 s each on a 2 GHz CPU), and builds gguf's TensorNameMap again for each of the model's ~200 submodules
+# 7 s each on a 2 GHz CPU), and builds gguf's TensorNameMap again for each of the model's ~400 submodules
 # (`get_gguf_hf_weights_map`, 8 s). Both are read-only, so for model_files.convert_default_model one parse and one map
 # serve every call: the conversion at install took 47-49 s, 25-27 s with these (measured), to the same bytes.
 GGUF_READ_ONCE = [
