@@ -116,10 +116,16 @@ def losses(log_history) -> list[float]:
 
 
 def pytest_collection_modifyitems(items):
-    """The tests that train or launch first, the unit tier last (a stable sort: file order otherwise). In file order
-    the last tests were long single-process runs (the default run, torch.compile), each alone on one core at the end
-    while the other worker had finished; short tests at the end fill both cores until the last moment."""
-    items.sort(key=lambda item: not (item.get_closest_marker("multiprocess") or item.get_closest_marker("e2e")))
+    """The tests that mostly wait first, then those that train or launch, the unit tier last (a stable sort: file order
+    otherwise). In file order the last tests were long single-process runs (the default run, torch.compile), each alone
+    on one core at the end while the other worker had finished; short tests at the end fill both cores until the last
+    moment. A waiting test (marker waits) left one core idle for its wait when the other worker ran one-process tests
+    beside it; first, it waits beside the other worker's 2-process launches."""
+    def order(item):
+        if item.get_closest_marker("waits"):
+            return 0
+        return 1 if item.get_closest_marker("multiprocess") or item.get_closest_marker("e2e") else 2
+    items.sort(key=order)
 
 
 def pytest_collection_finish(session):

@@ -153,6 +153,7 @@ def test_signal_saves_a_checkpoint_and_exits_cleanly(tiny_model_dir, chat_dir, t
 
 
 @pytest.mark.multiprocess
+@pytest.mark.waits  # 35 s of its step asleep
 def test_sigterm_to_a_launch_saves_every_rank_at_one_step_past_the_default_grace(tiny_model_dir, chat_dir, tmp_path):
     """SLURM's warning reaches every process of the job: the launcher script, `accelerate launch` (torchrun's agent),
     which forwards its own copy to the workers, and the workers themselves. With a step longer than the agent's
