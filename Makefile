@@ -36,13 +36,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python train.py --overwrite_output_dir true
 
-# All tiers, in TEST_WORKERS processes of one torch thread each (plain load balancing: grouping the tests that share a
-# one-process reference on one worker was slower, 9:09-9:55 against 7:38-8:49); where this machine runs bf16
-# natively, the tests whose path branches on it (marker native_bf16) run twice, the second time as on a CPU without
-# (tests/conftest.py, hardware.NATIVE_BF16_SWITCH).
+# All tiers, in TEST_WORKERS processes of one torch thread each, each taking the next test in tests/conftest.py's order
+# when it is free (--maxschedchunk 1: in xdist's first chunks one worker held 683 s of tests, all of its share, and
+# finished 33 s after the other; one at a time, 7 s apart). Grouping the tests that share a one-process reference on
+# one worker was slower (9:09-9:55 against 7:38-8:49). Where this machine runs bf16 natively, the tests whose path
+# branches on it (marker native_bf16) run twice, the second time as on a CPU without (tests/conftest.py,
+# hardware.NATIVE_BF16_SWITCH).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load --durations=10 tests
+	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations=10 tests
 
 # The unit tier alone, in the same workers (one process: 56-70 s on a 2 GHz AVX2 CPU; two: 41-44 s).
 test-fast: $(STAMP)
