@@ -96,6 +96,7 @@ class Shapes:
     experts: int = 0  # a mixture of experts: experts per MoE layer, and how many each token is routed to
     experts_per_token: int = 0
     expert_linear: int = 0  # of `linear`, the experts' weights (loaded in 16 bits before moe.py splits them)
+    untied_embedding: int = 0  # the input embedding's parameters where the head does not share them (FSDP2's own unit)
 
     @property
     def outside_layers(self) -> int:
@@ -143,6 +144,7 @@ class Shapes:
             shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
             intermediate = k * min(m.in_features for m in expert if m.out_features == config.hidden_size) + shared
         heads = config.num_attention_heads
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
             total=sum(p.numel() for p in model.parameters()),
@@ -161,6 +163,7 @@ class Shapes:
             experts=len(expert_lists[0]) if expert_lists else 0,
             experts_per_token=k,
             expert_linear=sum(m.weight.numel() for m in linears if id(m) in in_experts),
+            untied_embedding=embedding.weight.numel() if head is None or head.weight is not embedding.weight else 0,
         )
 
 
@@ -257,7 +260,6 @@ class TrainingState(NamedTuple):
     weights: float  # the whole base as loaded (4-bit: packed, with constants), before sharding
     adapter: float  # the trainable parameters, whole
     per_rank: dict[str, float]  # frozen weights, trainable weights, gradients, optimizer state: each rank's share
-    gathered: float  # what FSDP / ZeRO-3 gathers while computing
     sharded: bool  # parameters are split across ranks
 
 
@@ -301,14 +303,36 @@ def training_state(shapes: Shapes, run: Run, p: Plan) -> TrainingState:
                 "trainable weights": trainable * train_bytes / (n if shards_params else 1),
                 "gradients": trainable * train_bytes / (n if shards_grads else 1),
                 "optimizer state": optimizer / (n if shards_optim else 1)}
-    # What FSDP / ZeRO-3 gathers while computing: the current and the prefetched layer, plus the root unit
-    # (embeddings and lm_head) for the first and last step.
-    layer_bytes = shapes.largest_layer * (quant if run.method == "qlora" else weight_bytes)
-    gathered = 2 * layer_bytes + other * weight_bytes if shards_params else 0
-    if shards_params:
+    return TrainingState(weights, trainable * train_bytes, per_rank, shards_params)
+
+
+# The FSDP2 units gathered_bytes counts are accelerate 1.15's; tests/test_memory.py fails when they move upstream.
+FSDP2_UNITS_ACCELERATE = "1.15"
+
+
+def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p: Plan) -> float:
+    """What FSDP / ZeRO-3 holds gathered at the step's peak, beyond the activations and the loss beside it."""
+    weight_bytes = 2 if run.precision == "bf16" else 4
+    layer = shapes.largest_layer * ((NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES) if run.method == "qlora"
+                                    else weight_bytes)
+    outside = (shapes.total - shapes.linear) * weight_bytes  # embeddings, norms, lm_head: never quantized
+    if not (run.engine == "fsdp" and run.fsdp_version == 2):
         p.assumptions.append("sharded: 2 decoder layers gathered at a time (current + prefetch), plus the "
                              "embeddings / lm_head unit")
-    return TrainingState(weights, trainable * train_bytes, per_rank, gathered, shards_params)
+        return 2 * layer + outside
+    # FSDP2 as accelerate's fsdp2_prepare_model wraps it (FSDP2_UNITS_ACCELERATE): an untied input embedding is a
+    # unit of its own, resharded after its forward; the final norm and the head (with a tied embedding) are the tail
+    # unit, kept gathered from its forward to its backward. Each gather holds its unit twice for a moment (torch's
+    # all-gather output, then its copy into the unsharded parameters). Measured on 2 CPU processes with an untied 128k
+    # vocabulary: the peak at the tail's gather with 32 labels, at the loss (no embedding gathered) with 1024.
+    embedding = shapes.untied_embedding * weight_bytes
+    tail = outside - embedding
+    at_loss = 2 * layer + tail + activations + loss
+    at_tail_gather = 2 * tail + activations
+    p.assumptions.append("FSDP2: 2 decoder layers and the tail unit (final norm, lm_head) gathered at the loss; each "
+                         "gather holds its unit twice for a moment; an untied input embedding gathered only around "
+                         "its own forward and backward")
+    return max(at_loss, at_tail_gather, 2 * embedding) - activations - loss
 
 
 def activation_bytes(shapes: Shapes, run: Run, p: Plan) -> float:
@@ -362,7 +386,8 @@ def plan(shapes: Shapes, run: Run) -> Plan:
         held = {k: 0.0 for k in held}
     else:
         host_state = {}
-    gpu = {**held, "gathered layers": state.gathered, "activations": activations, "loss (head tiles)": logits,
+    gathered = gathered_bytes(shapes, run, activations, logits, p) if state.sharded else 0.0
+    gpu = {**held, "gathered units": gathered, "activations": activations, "loss (head tiles)": logits,
            "4-bit dequantization": dequant}
     if on_gpu:
         p.per_gpu = {k: v / GIB for k, v in gpu.items()}

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import settled
+from conftest import REPO, settled
 
 import checks
 from memory import ALLOCATOR_HEADROOM, GIB, Run, Shapes, load_config, plan
@@ -90,6 +90,44 @@ def test_the_loss_tiles_are_trls():
     assert trl.__version__.startswith(TRL_LOSS_VERSION)
     # off CUDA the backward upcasts the tile and the head's chunk to fp32 (memory.LOSS_UPCAST_BYTES)
     assert "acc.addmm_(a.float(), b.float())" in inspect.getsource(chunked_logprob._addmm_fp32)
+
+
+def test_fsdp2_units_are_accelerates():
+    """The planner's FSDP2 gathers follow accelerate's units and torch's all-gather (memory.gathered_bytes); this fails
+    when either changes (the plan must then follow)."""
+    import accelerate
+    from accelerate.utils import fsdp_utils
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from memory import FSDP2_UNITS_ACCELERATE
+
+    assert accelerate.__version__.startswith(FSDP2_UNITS_ACCELERATE)
+    prepare = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    assert "fully_shard(input_embed, **fsdp2_kwargs)" in prepare  # an untied embedding: a unit resharded after forward
+    assert 'fully_shard(tail, **{**fsdp2_kwargs, "reshard_after_forward": False})' in prepare  # norm, head: kept
+    # the parameters are copied out of the all-gather's output (two copies of a unit at once), not views of it
+    assert "split_with_sizes_copy" in inspect.getsource(_fsdp_collectives.foreach_all_gather_copy_out)
+
+
+def test_fsdp2_gathers_the_tail_at_the_loss_and_twice_for_a_moment():
+    """Llama-3-8B (untied) and Gemma-2-9B (tied), LoRA on 8 GPUs: FSDP1 keeps its whole root unit (embedding, head)
+    gathered; under FSDP2 the untied embedding is not gathered at the loss, while a tied vocabulary of 256k is the tail
+    whose gather, twice over for a moment, outweighs a short loss."""
+    def step(model, fsdp_version, seq):
+        """What the step adds at its peak beyond what each GPU holds: gathered units, activations and the loss."""
+        run = Run(method="lora", engine="fsdp", gpus=8, batch=1, seq=seq, fsdp_version=fsdp_version)
+        per_gpu = gib(run, f"{REPO}/configs/models/{model}").per_gpu
+        return per_gpu["gathered units"] + per_gpu["activations"] + per_gpu["loss (head tiles)"], per_gpu
+
+    llama = Shapes.of(load_config(f"{REPO}/configs/models/Meta-Llama-3-8B"))
+    embedding = llama.untied_embedding * 2 / GIB
+    assert embedding == pytest.approx(128256 * 4096 * 2 / GIB)
+    assert step("Meta-Llama-3-8B", 2, 2048)[0] == pytest.approx(step("Meta-Llama-3-8B", 1, 2048)[0] - embedding)
+    gemma = Shapes.of(load_config(f"{REPO}/configs/models/gemma-2-9b"))
+    assert gemma.untied_embedding == 0
+    tail = (gemma.total - gemma.linear) * 2 / GIB
+    peak, per_gpu = step("gemma-2-9b", 2, 64)
+    assert peak == pytest.approx(2 * tail + per_gpu["activations"]) and peak > step("gemma-2-9b", 1, 64)[0]
 
 
 # Runs in a process of its own with glibc's mmap threshold fixed from its start: in a process that has freed large
