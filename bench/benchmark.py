@@ -203,6 +203,23 @@ def prompt_completion_copy(source: Path, out: Path) -> Path:
     return out
 
 
+def ablation_trainer(model: str, data: str):
+    """The recipe's Trainer for one step, its first packed batch, and the same examples as a padded batch."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    import train
+    from configuration import configure
+
+    config = configure(recipe_argv(model, data, 1, REPO / "outputs" / "bench"))
+    trainer, _ = train.build_trainer(config, train.build_base_model(config), train.load_data(config))
+    packed = next(iter(trainer.get_train_dataloader()))
+    bounds = packed["cu_seq_lens_q"].tolist()
+    padded = DataCollatorForLanguageModeling(pad_token_id=config.facts.tokenizer.pad_token_id)([
+        {"input_ids": packed["input_ids"][0, a:b].tolist(), "labels": packed["labels"][0, a:b].tolist()}
+        for a, b in zip(bounds, bounds[1:])])
+    return trainer, packed, padded
+
+
 def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int, float]:
     """Forward + backward of one recipe batch with each shortcut off in turn, and with the decoder layers compiled,
     alternated in rounds (after a warm-up step each, which compiles): median seconds, median ratio to the recipe's
@@ -210,22 +227,12 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int,
     measured at the start of each round."""
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as trl_utils
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    import train
-    from configuration import configure
     from fast_paths import ATTENTION
 
-    config = configure(recipe_argv(model, data, 1, REPO / "outputs" / "bench"))
-    tokenizer = config.facts.tokenizer
-    trainer, _ = train.build_trainer(config, train.build_base_model(config), train.load_data(config))
+    trainer, packed, padded = ablation_trainer(model, data)
     wrapped = trainer.accelerator.prepare(trainer.model)  # the Trainer's own wrapping: autocast in bf16
     base = trainer.model.get_base_model()
-    packed = next(iter(trainer.get_train_dataloader()))
-    bounds = packed["cu_seq_lens_q"].tolist()
-    padded = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)([
-        {"input_ids": packed["input_ids"][0, a:b].tolist(), "labels": packed["labels"][0, a:b].tolist()}
-        for a, b in zip(bounds, bounds[1:])])
     compact, every_position = trl_utils._use_triton, kernels._use_triton
     # --torch_compile's regional compilation, in place so it can be switched off and on between steps
     layers = base.model.layers
@@ -255,7 +262,7 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int,
     for kwargs in variants.values():
         step(**kwargs)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in variants}
-    peaks, dtype = [], torch.bfloat16 if config.training.bf16 else torch.float32
+    peaks, dtype = [], torch.bfloat16 if trainer.args.bf16 else torch.float32
     for _ in range(repeats):
         peaks.append(matmul_peak_gflops(dtype, torch.get_num_threads()))
         for name, kwargs in variants.items():
@@ -313,16 +320,27 @@ def main() -> None:
     step_tokens = round(statistics.mean(r["tokens"] for r in results["recipe (defaults)"]) / args.steps)
     products = step_matmuls(DEFAULT_MODEL_DIR, 16, step_tokens, round(step_tokens * shape["supervised_fraction"]))
     rounds = [(matmul_peak_gflops(dtype, threads), matmul_seconds(products, dtype, threads)) for _ in range(3)]
-    ceiling = statistics.median(per_token * step_tokens / seconds / (peak * 1e9) for peak, seconds in rounds)
-    ceiling_peak = statistics.median(peak for peak, _ in rounds)
+    record = {"date": time.strftime("%Y-%m-%d"), "threads": threads, "precision": precision, "data": shape,
+              "flops_per_token": per_token, "steps": args.steps, "repeats": args.repeats, "runs": results,
+              "table": table, "ablation": ablated, "ablation_repeats": args.ablation_repeats,
+              "ablation_tokens": batch_tokens, "ablation_peak_gflops": ablation_peak, "step_tokens": step_tokens,
+              "matmul_ceiling": statistics.median(per_token * step_tokens / seconds / (peak * 1e9)
+                                                  for peak, seconds in rounds),
+              "matmul_ceiling_peak_gflops": statistics.median(peak for peak, _ in rounds)}
+    print_report(record)
+    Path(args.out).write_text(json.dumps(record, indent=2))
 
+
+def print_report(r: dict) -> None:
+    """The setups side by side, the matmul ceiling and the ablation, from main's record."""
+    table, shape, per_token = r["table"], r["data"], r["flops_per_token"]
     base = table["recipe (defaults)"]["tokens_per_s"]
-    peaks = [r["matmul_peak_gflops"] for runs in results.values() for r in runs]
-    print(f"\n{time.strftime('%Y-%m-%d')}, {threads} CPU threads, {precision}; matmul peak {min(peaks):.0f}-"
+    peaks = [run["matmul_peak_gflops"] for runs in r["runs"].values() for run in runs]
+    print(f"\n{r['date']}, {r['threads']} CPU threads, {r['precision']}; matmul peak {min(peaks):.0f}-"
           f"{max(peaks):.0f} GFLOP/s (measured before each run); "
           f"{per_token / 1e6:.0f} MFLOP per trained token ({shape['supervised_fraction']:.1%} of tokens supervised, "
-          f"examples of {shape['mean_context']:.0f} tokens); {args.steps} steps of 4 x 256 packed tokens, median of "
-          f"{args.repeats}")
+          f"examples of {shape['mean_context']:.0f} tokens); {r['steps']} steps of 4 x 256 packed tokens, median of "
+          f"{r['repeats']}")
     print(f"{'setup':22s} {'tokens/s':>9s} {'s/step':>7s} {'peak RSS':>9s} {'final loss':>10s} {'FLOPs util':>10s} "
           f"{'recipe / this':>13s}")
     for name, row in table.items():
@@ -330,21 +348,18 @@ def main() -> None:
               f"{row['final_loss']:10.4f} {row['flops_utilisation']:9.0%} {base / row['tokens_per_s']:12.2f}x")
     print("loss curves: " + "; ".join(f"{name}: {' '.join(f'{x:.3f}' for x in row['losses'])}"
                                       for name, row in table.items()))
-    print(f"\nmatmul ceiling: one step's matmuls alone ({step_tokens} tokens, each product timed at its own shape) "
-          f"would make {ceiling:.0%} FLOPs utilisation (median of 3, peak {ceiling_peak:.0f} GFLOP/s); the rest is "
-          "attention over short examples, elementwise work and the loss")
-    print(f"\nablation: forward + backward of one recipe batch ({batch_tokens} tokens), {args.ablation_repeats} "
-          f"alternated rounds; utilisation against the median peak of the rounds, {ablation_peak:.0f} GFLOP/s")
+    print(f"\nmatmul ceiling: one step's matmuls alone ({r['step_tokens']} tokens, each product timed at its own "
+          f"shape) would make {r['matmul_ceiling']:.0%} FLOPs utilisation (median of 3, peak "
+          f"{r['matmul_ceiling_peak_gflops']:.0f} GFLOP/s); the rest is attention over short examples, elementwise "
+          "work and the loss")
+    print(f"\nablation: forward + backward of one recipe batch ({r['ablation_tokens']} tokens), "
+          f"{r['ablation_repeats']} alternated rounds; utilisation against the median peak of the rounds, "
+          f"{r['ablation_peak_gflops']:.0f} GFLOP/s")
     print(f"{'':40s} {'median':>8s} {'x recipe':>9s} {'faster in':>10s} {'FLOPs util':>10s}")
-    for name, row in ablated.items():
+    for name, row in r["ablation"].items():
+        utilisation = per_token * r["ablation_tokens"] / row["seconds"] / (r["ablation_peak_gflops"] * 1e9)
         print(f"{name:40s} {row['seconds']:6.2f} s {row['vs_recipe']:8.2f}x {row['faster_than_recipe']:4d} of "
-              f"{args.ablation_repeats:<2d} {per_token * batch_tokens / row['seconds'] / (ablation_peak * 1e9):9.0%}")
-    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "threads": threads,
-                                          "precision": precision, "data": shape,
-                                          "flops_per_token": per_token, "steps": args.steps, "runs": results,
-                                          "table": table, "ablation": ablated, "ablation_tokens": batch_tokens,
-                                          "ablation_peak_gflops": ablation_peak, "matmul_ceiling": ceiling,
-                                          "matmul_ceiling_peak_gflops": ceiling_peak}, indent=2))
+              f"{r['ablation_repeats']:<2d} {utilisation:9.0%}")
 
 
 if __name__ == "__main__":
