@@ -190,6 +190,16 @@ class Run:
     eager_attention: bool = False  # eager_varlen (Gemma-2, gpt-oss): each example's seq^2 scores are materialized
     labelled: float = 1.0  # of the tokens, those with a label (what the loss scores); 1.0 when the data is unknown
 
+    @property
+    def value_bytes(self) -> int:
+        """Bytes per weight as loaded (bf16, or the bf16 4-bit storage, or fp32), and per activation value."""
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def nf4_bytes(self) -> float:
+        """Bytes per 4-bit weight, its block constants included."""
+        return NF4_NESTED_BYTES if self.nested_quant else NF4_BYTES
+
 
 @dataclass
 class Plan:
@@ -265,8 +275,7 @@ class TrainingState(NamedTuple):
 
 def training_state(shapes: Shapes, run: Run, p: Plan) -> TrainingState:
     n = max(run.gpus, 1)
-    weight_bytes = 2 if run.precision == "bf16" else 4  # the recipe loads in bf16 (or the bf16 4-bit storage)
-    quant = NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES
+    weight_bytes, quant = run.value_bytes, run.nf4_bytes
     other = shapes.total - shapes.linear  # embeddings, norms, lm_head: never quantized
     if run.method == "qlora":
         weights = shapes.linear * quant + other * weight_bytes
@@ -312,9 +321,8 @@ FSDP2_UNITS_ACCELERATE = "1.15"
 
 def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p: Plan) -> float:
     """What FSDP / ZeRO-3 holds gathered at the step's peak, beyond the activations and the loss beside it."""
-    weight_bytes = 2 if run.precision == "bf16" else 4
-    layer = shapes.largest_layer * ((NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES) if run.method == "qlora"
-                                    else weight_bytes)
+    weight_bytes = run.value_bytes
+    layer = shapes.largest_layer * (run.nf4_bytes if run.method == "qlora" else weight_bytes)
     outside = (shapes.total - shapes.linear) * weight_bytes  # embeddings, norms, lm_head: never quantized
     if not (run.engine == "fsdp" and run.fsdp_version == 2):
         p.assumptions.append("sharded: 2 decoder layers gathered at a time (current + prefetch), plus the "
@@ -339,7 +347,7 @@ def activation_bytes(shapes: Shapes, run: Run, p: Plan) -> float:
     """What the forward keeps for the backward: each layer's activations (or, checkpointed, each layer's input and one
     layer recomputed), eager attention's scores, and the copies each LoRA branch keeps of its input."""
     tokens = run.batch * run.seq
-    act_bytes = 2 if run.precision == "bf16" else 4
+    act_bytes = run.value_bytes
     act_layer = tokens * (10 * shapes.hidden + 2 * shapes.kv_dim + 5 * shapes.intermediate) * act_bytes
     if run.checkpointing:
         activations = tokens * shapes.hidden * act_bytes * shapes.num_layers + act_layer
@@ -372,7 +380,7 @@ def plan(shapes: Shapes, run: Run) -> Plan:
     n = max(run.gpus, 1)
     state = training_state(shapes, run, p)
     activations = activation_bytes(shapes, run, p)
-    logits = loss_bytes(shapes, run, 2 if run.precision == "bf16" else 4)
+    logits = loss_bytes(shapes, run, run.value_bytes)
     dequant = shapes.largest_linear * 2 if run.method == "qlora" else 0
     p.assumptions.append(f"{run.batch} x {run.seq} tokens per step, {run.labelled:.0%} of them labelled; the loss "
                          f"as TRL {TRL_LOSS_VERSION} computes it: the head projects the labelled positions only, in "
@@ -424,9 +432,8 @@ class LoadTerms(NamedTuple):
 
 def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: bool) -> LoadTerms:
     n = max(run.gpus, 1)
-    weight_bytes = 2 if run.precision == "bf16" else 4
+    weight_bytes, quant = run.value_bytes, run.nf4_bytes
     qlora = run.method == "qlora"
-    quant = NF4_NESTED_BYTES if run.nested_quant else NF4_BYTES
     quant_state = shapes.linear * (quant - 0.5) if qlora else 0
     shardable = base - quant_state
     embedding = shapes.vocab * shapes.hidden * weight_bytes
