@@ -99,6 +99,11 @@ class Shapes:
     untied_embedding: int = 0  # the input embedding's parameters where the head does not share them (FSDP2's own unit)
 
     @property
+    def unquantized(self) -> int:
+        """Parameters 4-bit leaves in 16 bits: embeddings, norms, lm_head (everything but the decoder linears)."""
+        return self.total - self.linear
+
+    @property
     def outside_layers(self) -> int:
         """Parameters outside the decoder layers (embedding, final norm, an untied head): FSDP's root unit."""
         return self.total - self.num_layers * self.largest_layer
@@ -276,7 +281,7 @@ class TrainingState(NamedTuple):
 def training_state(shapes: Shapes, run: Run, p: Plan) -> TrainingState:
     n = max(run.gpus, 1)
     weight_bytes, quant = run.value_bytes, run.nf4_bytes
-    other = shapes.total - shapes.linear  # embeddings, norms, lm_head: never quantized
+    other = shapes.unquantized
     if run.method == "qlora":
         weights = shapes.linear * quant + other * weight_bytes
         p.assumptions.append(f"4-bit linear weights at {quant:.3f} bytes each (NF4 + block constants), "
@@ -323,7 +328,7 @@ def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p:
     """What FSDP / ZeRO-3 holds gathered at the step's peak, beyond the activations and the loss beside it."""
     weight_bytes = run.value_bytes
     layer = shapes.largest_layer * (run.nf4_bytes if run.method == "qlora" else weight_bytes)
-    outside = (shapes.total - shapes.linear) * weight_bytes  # embeddings, norms, lm_head: never quantized
+    outside = shapes.unquantized * weight_bytes
     if not (run.engine == "fsdp" and run.fsdp_version == 2):
         p.assumptions.append("sharded: 2 decoder layers gathered at a time (current + prefetch), plus the "
                              "embeddings / lm_head unit")
