@@ -36,7 +36,10 @@ SHAPES = {
 }
 # Dense bf16 tensor-core peaks from the datasheets, TFLOP/s (SXM parts)
 DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
-METHODS = {"lora": [], "qlora": ["--use_4bit_quantization", "true"], "lora-compile": ["--torch_compile", "true"]}
+METHODS = {"lora": [], "qlora": ["--use_4bit_quantization", "true"], "lora-compile": ["--torch_compile", "true"],
+           # what the memory plan counts differently: dropout's masks, and checkpointed layers
+           "lora-dropout": ["--lora_dropout", "0.05"],
+           "qlora-checkpointing": ["--use_4bit_quantization", "true", "--activation_checkpointing", "true"]}
 
 def recipe_tokenizer_dir() -> Path:
     """SmolLM2's tokenizer files: the converted default model's, or those files alone (bench/gpu_check.py carries them

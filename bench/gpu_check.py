@@ -61,7 +61,7 @@ TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048)
 # Seconds each part may take on the GPU machine (about 8 minutes in all, under the 10 a command may run there); on
 # CPU (--dry_run) the tiny shapes take far less
-PART_SECONDS = {"speed": 240, "launchers": 180, "loading": 60}
+PART_SECONDS = {"speed": 240, "launchers": 180, "loading": 60, "quantization": 30}
 GPU_GIB = 139.8  # an H200 as torch reports it (143771 MiB): the GPU the recorded runs were planned for
 LAUNCHERS = {  # name: (accelerate config, extra train.py flags)
     "fsdp1-qlora-offload": ("configs/fsdp_config_qlora.yaml", ["--use_4bit_quantization", "true"]),
@@ -229,11 +229,11 @@ def versions() -> dict:
     return found
 
 
-def speed(dry_run: bool, work: Path, results: Results) -> dict:
+def speed(dry_run: bool, work: Path, results: Results, methods: list[str]) -> dict:
     from gpu_benchmark import measure, summary_lines
 
     shape, steps, seq = ("tiny", 3, 256) if dry_run else ("llama-3-8b", 6, 2048)
-    methods = ["lora"] if dry_run else ["lora", "qlora"]  # on CPU one shows the path
+    methods = methods[:1] if dry_run else methods  # on CPU one shows the path
     measured = measure(shape, steps, 2, seq, methods, work,
                        on_result=lambda method, row: results.record("speed", row, key=f"run {method}"))
     measured["summary"] = summary_lines(measured)
@@ -420,13 +420,37 @@ def replanned_row(name: str, argv: list[str], accelerate_config: str | None, mea
             "checkpointing": bool(config.training.activation_checkpointing)}
 
 
-def run(out: Path, dry_run: bool, parts: list[str], seconds: dict[str, int], log: Log) -> dict:
+def quantization() -> dict:
+    """The same bf16 weights quantized to NF4 (blocksize 64, nested statistics, bf16 storage) by bitsandbytes on the CPU,
+    as the sharded loading does in host RAM, and on the GPU, as a one-process load does: the packed bytes and the
+    weights each dequantizes to (both dequantized on the GPU)."""
+    import bitsandbytes.functional as bnbf
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    weight = (torch.randn(2048, 5632) * 0.02).to(torch.bfloat16)
+    options = dict(blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16)
+    on_cpu, cpu_state = bnbf.quantize_4bit(weight, **options)
+    on_gpu, gpu_state = bnbf.quantize_4bit(weight.to(device), **options)
+    cpu_state.to(device)  # in place
+    from_cpu = bnbf.dequantize_4bit(on_cpu.to(device), cpu_state)
+    from_gpu = bnbf.dequantize_4bit(on_gpu, gpu_state)
+    return {"device": device, "packed_bytes_equal": (on_cpu.view(torch.uint8) == on_gpu.cpu().view(torch.uint8)).float()
+            .mean().item(), "dequantized_max_abs_difference": (from_cpu - from_gpu).abs().max().item(),
+            "dequantized_mean_abs_difference": (from_cpu - from_gpu).abs().float().mean().item(),
+            "weight_max_abs": weight.abs().max().item()}
+
+
+def run(out: Path, dry_run: bool, parts: list[str], seconds: dict[str, int], log: Log,
+        methods: list[str] | None = None) -> dict:
     work = Path("/tmp/gpu_check") if not dry_run else out / "work"
     work.mkdir(parents=True, exist_ok=True)
     results = Results(out, dry_run)
     log(f"gpu_check {results.values['date']}: {results.values['versions']}")
-    steps = {"speed": lambda: speed(dry_run, work, results), "launchers": lambda: launchers(dry_run, work, log, results),
-             "loading": lambda: loading(dry_run, work)}
+    steps = {"speed": lambda: speed(dry_run, work, results, methods or ["lora", "qlora"]),
+             "launchers": lambda: launchers(dry_run, work, log, results), "loading": lambda: loading(dry_run, work),
+             "quantization": quantization}
     for part in parts:
         started = time.time()
         try:
@@ -447,7 +471,9 @@ def main() -> None:
     r = commands.add_parser("run", help="install what was carried, then check (on the GPU machine)")
     r.add_argument("--out", type=Path, required=True, help="gpu_check.json and gpu_check.log go here")
     r.add_argument("--dry_run", action="store_true", help="CPU, tiny shapes, nothing installed unless --carried")
-    r.add_argument("--parts", default="speed,launchers,loading", help="comma list from speed, launchers, loading")
+    r.add_argument("--parts", default="speed,launchers,loading,quantization",
+                   help="comma list from speed, launchers, loading, quantization")
+    r.add_argument("--methods", default="lora,qlora", help="the speed part's runs (gpu_benchmark.METHODS)")
     r.add_argument("--part_seconds", type=int, help=f"each part's time limit (default {PART_SECONDS})")
     r.add_argument("--carried", type=Path, help=f"the folder `prepare` made (default {CARRIED.name}/; a dry run "
                    "installs only when it is given)")
@@ -472,7 +498,7 @@ def main() -> None:
         install_carried(args.carried or CARRIED, args.site, log)
     parts = args.parts.split(",")
     seconds = {part: args.part_seconds or PART_SECONDS[part] for part in parts}
-    run(args.out, args.dry_run, parts, seconds, log)
+    run(args.out, args.dry_run, parts, seconds, log, args.methods.split(","))
 
 
 if __name__ == "__main__":
