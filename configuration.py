@@ -224,7 +224,7 @@ def settle(request: Request, facts: Facts) -> Configuration:
     if not checkpointing_given:
         decide_activation_checkpointing(config)
     for decide in (decide_checkpointing_kwargs, decide_lengths, decide_placement, decide_loading, decide_cpu_engine,
-                   decide_compile, decide_publishing):
+                   decide_fsdp1_buffers, decide_compile, decide_publishing):
         decide(config)
     config.training = training_arguments({**values, **config.decided})
     return config
@@ -360,6 +360,15 @@ def decide_cpu_engine(config: Configuration) -> None:
         for setting, (value, why) in CPU_FSDP1_OVERRIDES.items():
             if launch.fsdp_setting(setting):
                 config.decisions.append(Decision(f"fsdp_{setting.lower()} on CPU", value, why))
+
+
+def decide_fsdp1_buffers(config: Configuration) -> None:
+    """What the trainer does to FSDP1's mixed precision (trainers.keep_fsdp1_buffers_in_fp32), said."""
+    launch = config.launch
+    if launch.fsdp and launch.fsdp_version == 1 and config.mixed_precision in ("bf16", "fp16"):
+        config.decisions.append(Decision("fsdp1 buffer dtype", "float32", f"accelerate's {config.mixed_precision} "
+                                         "policy would have FSDP1 cast every buffer, the rotary embedding's inverse "
+                                         "frequencies too, shifting each position's phase with its index"))
 
 
 def decide_compile(config: Configuration) -> None:

@@ -117,11 +117,36 @@ def without_fsdp1_device_settings(launch: Launch):
                 os.environ[name] = value
 
 
-class RecipeSFTTrainer(CompleteCheckpointsMixin, SFTTrainer):
-    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py)."""
+def keep_fsdp1_buffers_in_fp32(plugin) -> bool:
+    """Give an FSDP1 plugin's bf16/fp16 mixed-precision policy fp32 buffers; True if it changed the policy.
+
+    accelerate 1.15's `set_mixed_precision` gives FSDP1 `buffer_dtype` = the compute dtype, and torch 2.13's FSDP1 casts
+    every buffer to it before the first forward (tests/test_distributed.py shows it). The rotary embedding's inverse
+    frequencies are a buffer: in bf16 they keep 8 bits, and each position's phase drifts in proportion to its index
+    (at 2048 tokens the fastest-turning pairs are 2.5 rad off with RoPE base 10^4, 3.7 with 5 x 10^5), so the adapter
+    would train on positions that inference, which keeps them fp32, never shows it. FSDP2 and ZeRO-3 leave buffers as
+    loaded."""
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if plugin is None or plugin.fsdp_version != 1 or policy is None or policy.buffer_dtype in (None, torch.float32):
+        return False
+    plugin.set_mixed_precision(policy.param_dtype, buffer_autocast=True, override=True)
+    return True
 
 
-class RecipeCpuEngineSFTTrainer(CompleteCheckpointsMixin, CpuEngineSFTTrainer):
+class Fsdp1Fp32BuffersMixin:
+    """The trainer's FSDP1 mixed precision with fp32 buffers (keep_fsdp1_buffers_in_fp32), set before the model is
+    wrapped."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        keep_fsdp1_buffers_in_fp32(getattr(self.accelerator.state, "fsdp_plugin", None))
+
+
+class RecipeSFTTrainer(CompleteCheckpointsMixin, Fsdp1Fp32BuffersMixin, SFTTrainer):
+    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py) and FSDP1's buffers in fp32."""
+
+
+class RecipeCpuEngineSFTTrainer(CompleteCheckpointsMixin, Fsdp1Fp32BuffersMixin, CpuEngineSFTTrainer):
     """The same, keeping FSDP or DeepSpeed on a host without an accelerator."""
 
 

@@ -298,9 +298,11 @@ def launcher(name: str, model_dir: Path, work: Path, dry_run: bool) -> dict:
             "passed": len(losses) == 5 and difference <= 0.02 * scale}
 
 
-def launchers(dry_run: bool, work: Path, log: Log, results: Results) -> dict:
+def launchers(dry_run: bool, work: Path, log: Log, results: Results, names: list[str]) -> dict:
     model_dir = launcher_model(dry_run, work)
     for name, (config, _) in LAUNCHERS.items():
+        if name not in names:
+            continue
         if dry_run and "fsdp2" not in name:  # one launcher shows the path; the tests train each on 2 CPU processes
             row = {"config": config, "skipped": "dry run: tests/test_distributed.py trains it on CPU"}
         else:
@@ -443,13 +445,14 @@ def quantization() -> dict:
 
 
 def run(out: Path, dry_run: bool, parts: list[str], seconds: dict[str, int], log: Log,
-        methods: list[str] | None = None) -> dict:
+        methods: list[str] | None = None, launcher_names: list[str] | None = None) -> dict:
     work = Path("/tmp/gpu_check") if not dry_run else out / "work"
     work.mkdir(parents=True, exist_ok=True)
     results = Results(out, dry_run)
     log(f"gpu_check {results.values['date']}: {results.values['versions']}")
     steps = {"speed": lambda: speed(dry_run, work, results, methods or ["lora", "qlora"]),
-             "launchers": lambda: launchers(dry_run, work, log, results), "loading": lambda: loading(dry_run, work),
+             "launchers": lambda: launchers(dry_run, work, log, results, launcher_names or list(LAUNCHERS)),
+             "loading": lambda: loading(dry_run, work),
              "quantization": quantization}
     for part in parts:
         started = time.time()
@@ -474,6 +477,7 @@ def main() -> None:
     r.add_argument("--parts", default="speed,launchers,loading,quantization",
                    help="comma list from speed, launchers, loading, quantization")
     r.add_argument("--methods", default="lora,qlora", help="the speed part's runs (gpu_benchmark.METHODS)")
+    r.add_argument("--launchers", default=",".join(LAUNCHERS), help="the launchers part's runs")
     r.add_argument("--part_seconds", type=int, help=f"each part's time limit (default {PART_SECONDS})")
     r.add_argument("--carried", type=Path, help=f"the folder `prepare` made (default {CARRIED.name}/; a dry run "
                    "installs only when it is given)")
@@ -498,7 +502,7 @@ def main() -> None:
         install_carried(args.carried or CARRIED, args.site, log)
     parts = args.parts.split(",")
     seconds = {part: args.part_seconds or PART_SECONDS[part] for part in parts}
-    run(args.out, args.dry_run, parts, seconds, log, args.methods.split(","))
+    run(args.out, args.dry_run, parts, seconds, log, args.methods.split(","), args.launchers.split(","))
 
 
 if __name__ == "__main__":

@@ -175,3 +175,41 @@ def assert_phases_as_planned(by_rank: list[dict], model_dir, quantized: bool, en
     assert predicted["save host rank 0"] < 0.1 * model_gib, predicted  # the adapter alone, not the base
     for key in measured:
         assert abs(measured[key] - predicted[key]) <= max(0.15 * predicted[key], 50 / 1024), (key, measured, predicted)
+
+
+FSDP1_BUFFERS = r"""
+import json, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {repo!r})
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from transformers import LlamaConfig, LlamaForCausalLM
+from trainers import keep_fsdp1_buffers_in_fp32
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+dist.init_process_group("gloo", rank=0, world_size=1)
+seen = {{}}
+for kept in (False, True):
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1)
+    plugin.set_mixed_precision("bf16")  # what accelerate does for a bf16 run
+    if kept:
+        keep_fsdp1_buffers_in_fp32(plugin)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, vocab_size=128))
+    model.model.rotary_emb.register_forward_pre_hook(lambda m, a, kept=kept: seen.update({{kept: str(m.inv_freq.dtype)}}))
+    FSDP(model, mixed_precision=plugin.mixed_precision_policy, device_id=torch.device("cpu"))(input_ids=torch.ones(1, 3, dtype=torch.long))
+print(json.dumps(seen))
+"""
+
+
+def test_fsdp1_bf16_keeps_the_rotary_frequencies_in_fp32():
+    """accelerate's bf16 policy makes FSDP1 cast every buffer to bf16 before the forward, the rotary embedding's
+    inverse frequencies too (`false` below: if this stops, the recipe's fix is no longer needed); with the recipe's
+    policy (trainers.keep_fsdp1_buffers_in_fp32) the rotary embedding computes from fp32 frequencies."""
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    script = FSDP1_BUFFERS.format(repo=str(REPO_DIR), port=free_port())
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"false": "torch.bfloat16", "true": "torch.float32"}
