@@ -334,12 +334,33 @@ def training_state(shapes: Shapes, run: Run, p: Plan) -> TrainingState:
 FSDP2_UNITS_ACCELERATE = "1.15"
 
 
+# DeepSpeed 0.19's stage3_max_reuse_distance default, which accelerate's generated ZeRO-3 config leaves in place
+ZERO3_MAX_REUSE_DISTANCE = 10**9
+
+
+def zero3_layers_kept(shapes: Shapes, layer_numel: float) -> int:
+    """Decoder layers ZeRO-3 keeps gathered from their forward to their backward. Once its trace is recorded (from the
+    second step), DeepSpeed releases a module's parameters after use only if they do not recur within the next
+    stage3_max_reuse_distance parameters of the trace (partitioned_param_coordinator.__params_to_release). Between a
+    layer's forward and its backward run the later layers and the head twice (forward, then backward), so the last
+    layers of a model of a few billion parameters stay gathered: 10 of the 16 of a 1.1B Llama in bf16."""
+    head = shapes.vocab * shapes.hidden
+    room = ZERO3_MAX_REUSE_DISTANCE / 2 - head
+    return 0 if room <= 0 else min(shapes.num_layers, int(room // max(layer_numel, 1)) + 1)
+
+
 def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p: Plan) -> float:
     """What FSDP / ZeRO-3 holds gathered at the step's peak, beyond the activations and the loss beside it."""
     weight_bytes = run.value_bytes
     layer = shapes.largest_layer * (run.nf4_bytes if run.method == "qlora" else weight_bytes)
     outside = shapes.unquantized * weight_bytes
-    if not (run.engine == "fsdp" and run.fsdp_version == 2):
+    if run.engine == "deepspeed":
+        kept = zero3_layers_kept(shapes, layer / weight_bytes)
+        p.assumptions.append(f"ZeRO-3: {max(kept, 2)} decoder layers gathered at the loss (those DeepSpeed keeps for "
+                             f"their reuse in the backward within stage3_max_reuse_distance, {ZERO3_MAX_REUSE_DISTANCE:.0e}"
+                             " parameters; at least the current and the prefetched one), plus the embeddings / lm_head")
+        return max(kept, 2) * layer + outside
+    if run.engine == "fsdp" and run.fsdp_version == 1:
         p.assumptions.append("sharded: 2 decoder layers gathered at a time (current + prefetch), plus the "
                              "embeddings / lm_head unit")
         return 2 * layer + outside

@@ -34,7 +34,7 @@ from transformers import TrainerCallback, set_seed
 from arguments import ConfigError, parse_arguments
 from checkpoints import StopOnSignal, latest_complete
 from checks import Problem, preflight
-from configuration import Configuration, gather, memory_plan, settle
+from configuration import Configuration, gather, memory_plan, planned_run, settle
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
 from launch import Launch
@@ -134,12 +134,17 @@ def report_problems(problems: list[Problem]) -> None:
 
 
 def planned_phases(config: Configuration, data: TrainingData) -> dict | None:
-    """The memory plan of each phase, GiB, for this run's data (its labelled fraction): beside memory_by_rank in
-    run_summary.json, so every run can be held against its plan."""
+    """The memory plan of each phase, GiB, for this run's data: beside memory_by_rank in run_summary.json, so every
+    run can be held against its plan. The data sets the labelled fraction and, unpacked, the row length: a batch holds
+    at most its size times the longest example (packed rows fill --max_length; the plan before the data assumes that
+    of every row)."""
     if config.facts.model_config is None:
         return None
-    labelled = data.counts["supervised_tokens"] / max(data.counts["tokens"], 1)
-    return memory_plan(config, labelled=labelled).phases
+    counts = data.counts
+    labelled = counts["supervised_tokens"] / max(counts["tokens"], 1)
+    rows = {} if config.training.packing or not counts["longest"] else {
+        "seq": min(planned_run(config).seq, counts["longest"])}
+    return memory_plan(config, labelled=labelled, **rows).phases
 
 
 def finish_check(config: Configuration) -> None:

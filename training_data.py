@@ -376,7 +376,8 @@ def drop_bad(tokenized: dict, bad: list) -> dict:
 def token_counts(dataset) -> dict:
     labels = dataset["labels"]
     return {"examples": len(labels), "tokens": sum(len(x) for x in labels),
-            "supervised_tokens": sum(sum(1 for t in x if t != IGNORE_INDEX) for x in labels)}
+            "supervised_tokens": sum(sum(1 for t in x if t != IGNORE_INDEX) for x in labels),
+            "longest": max((len(x) for x in labels), default=0)}
 
 
 def first_examples(dataset, count: int):
