@@ -20,6 +20,10 @@ another fails or runs out of its time (PART_SECONDS, `--part_seconds`):
    path (sharding.py: read and quantized in host RAM, broadcast from rank 0) even on one process.
 3. loading: with the environment the QLoRA FSDP launcher exports, where the 4-bit weights land and the GPU memory
    allocated right after `from_pretrained`.
+4. quantization: one matrix quantized to NF4 by bitsandbytes on the CPU (as the sharded loading does) and on the GPU:
+   the packed bytes and the dequantized weights compared.
+
+`--parts`, `--methods` (the speed part's runs, gpu_benchmark.METHODS) and `--launchers` choose a subset for a rerun.
 
 Every run of train.py it makes records its memory against the plan (report.memory_against_plan): per phase, the peak
 allocated, the allocator's reserved peak and the device's used memory (the whole footprint), beside `train.py
