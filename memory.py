@@ -93,6 +93,9 @@ class Shapes:
     vocab: int
     heads: int = 1  # attention heads (what eager attention's score matrices scale with)
     softcap: bool = False  # the final logits are softcapped (Gemma-2): the loss's backward keeps more per tile
+    attention_softcap: bool = False  # the attention scores are softcapped (Gemma-2): eager attention keeps the tanh
+    attention_sinks: bool = False  # attention sinks (gpt-oss): its eager softmax runs in the activations' dtype
+    mlp_kept: int = 3  # intermediate-wide tensors the MLP's activation keeps: gate, act, up; gpt-oss's clamped SwiGLU 6
     experts: int = 0  # a mixture of experts: experts per MoE layer, and how many each token is routed to
     experts_per_token: int = 0
     expert_linear: int = 0  # of `linear`, the experts' weights (loaded in 16 bits before moe.py splits them)
@@ -172,6 +175,9 @@ class Shapes:
             vocab=config.vocab_size,
             heads=heads,
             softcap=getattr(config, "final_logit_softcapping", None) is not None,
+            attention_softcap=getattr(config, "attn_logit_softcapping", None) is not None,
+            attention_sinks=any(name.endswith("sinks") for name, _ in layer.named_parameters()),
+            mlp_kept=6 if getattr(config, "swiglu_limit", None) is not None else 3,
             experts=len(expert_lists[0]) if expert_lists else 0,
             experts_per_token=k,
             expert_linear=sum(m.weight.numel() for m in linears if id(m) in in_experts),
@@ -357,8 +363,9 @@ def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p:
     if run.engine == "deepspeed":
         kept = zero3_layers_kept(shapes, layer / weight_bytes)
         p.assumptions.append(f"ZeRO-3: {max(kept, 2)} decoder layers gathered at the loss (those DeepSpeed keeps for "
-                             f"their reuse in the backward within stage3_max_reuse_distance, {ZERO3_MAX_REUSE_DISTANCE:.0e}"
-                             " parameters; at least the current and the prefetched one), plus the embeddings / lm_head")
+                             "their reuse in the backward within stage3_max_reuse_distance, "
+                             f"{ZERO3_MAX_REUSE_DISTANCE:.0e} parameters; at least the current and the prefetched "
+                             "one), plus the embeddings / lm_head")
         return max(kept, 2) * layer + outside
     if run.engine == "fsdp" and run.fsdp_version == 1:
         p.assumptions.append("sharded: 2 decoder layers gathered at a time (current + prefetch), plus the "
@@ -380,15 +387,17 @@ def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p:
 
 
 def layer_activation_bytes(shapes: Shapes, run: Run) -> float:
-    """Bytes one token keeps for the backward in one decoder layer (attention by sdpa/flash, frozen or 4-bit base).
-    Each norm keeps its input in fp32; attention its query, key, value and output; the gated MLP its gate, activation
-    and up projections. A frozen linear keeps nothing of its input, so a LoRA branch's input counts once, where the
-    branch reads the tensor it shares with the base: unless the branch makes its own copy (fp32 adapters on bf16
-    activations: autocast's bf16 copy; dropout: its output and mask); a full fine-tune's linears and norms keep their
-    inputs. tests/test_memory.py counts autograd's saved tensors against this; on one H200 (Llama-3-8B shape, 2 x 2048
-    tokens) LoRA's activations took 26.3 GiB and QLoRA's 23.0, where this counts 26.5 and 23.5."""
+    """Bytes one token keeps for the backward in one decoder layer (attention by sdpa/flash, frozen or 4-bit base). Each
+    norm keeps its input in fp32; attention its query, key, value and output; the gated MLP its gate, activation and up
+    projections (gpt-oss's clamped SwiGLU six such tensors). A frozen linear keeps nothing of its input, so a LoRA
+    branch's input counts once, where the branch reads the tensor it shares with the base: unless the branch makes its
+    own copy (fp32 adapters on bf16 activations: autocast's bf16 copy; dropout: its output and mask); a full fine-tune's
+    linears and norms keep their inputs. tests/test_memory.py counts autograd's saved tensors against this; on one H200
+    (Llama-3-8B shape, 2 x 2048 tokens) LoRA's activations took 26.3 GiB and QLoRA's 23.0, where this counts 26.5 and
+    23.5."""
     act = run.value_bytes
-    kept = shapes.norm_inputs * 4 + (2 * shapes.q_dim + 2 * shapes.kv_dim + 3 * shapes.intermediate) * act
+    attention = 2 * shapes.q_dim + 2 * shapes.kv_dim
+    kept = shapes.norm_inputs * 4 + (attention + shapes.mlp_kept * shapes.intermediate) * act
     # Each routed expert (moe.ExpertLinears) keeps its gathered input and its output again, for the routing weight's
     # product: saved tensors of a small Mixtral came to 3 x hidden per routed token, where a dense MLP keeps 1
     kept += 2 * shapes.experts_per_token * shapes.hidden * act
@@ -404,6 +413,17 @@ def layer_activation_bytes(shapes: Shapes, run: Run) -> float:
     # CUDA's fused dropout keeps a bool mask; torch's CPU dropout a mask in the dtype it ran in (fp32 after the cast)
     mask = (1 if run.device == "cuda" else 4 if cast else act) if dropout else 0
     return kept + shapes.linear_inputs * (act + mask)
+
+
+def eager_score_bytes(shapes: Shapes, run: Run) -> int:
+    """Bytes eager attention keeps per score for the backward, counted from autograd's saved tensors
+    (tests/test_memory.py): Gemma-2's softmax output in fp32, its cast back to the activations' dtype (which the
+    product with the values keeps) and softcapping's tanh output, 8 bytes in bf16 and in fp32; gpt-oss's softmax runs
+    in the activations' dtype, and the product keeps that output alone."""
+    act = run.value_bytes
+    if shapes.attention_sinks:
+        return act
+    return 4 + (act if act < 4 else 0) + (act if shapes.attention_softcap else 0)
 
 
 def activation_bytes(shapes: Shapes, run: Run, p: Plan) -> float:
@@ -422,12 +442,12 @@ def activation_bytes(shapes: Shapes, run: Run, p: Plan) -> float:
                              "and attention output, the MLP's gate, activation and up, and its linears' inputs "
                              "(attention by sdpa/flash)")
     if run.eager_attention:
-        # Per layer: the scores, their softcapped and softmaxed (fp32) forms and the cast back, for each example of
-        # at most seq tokens: at most batch x seq^2 scores per head
-        scores = run.batch * shapes.heads * run.seq ** 2 * (3 * act_bytes + 4)
+        # Per layer, for each example of at most seq tokens: at most batch x seq^2 scores per head
+        per_score = eager_score_bytes(shapes, run)
+        scores = run.batch * shapes.heads * run.seq ** 2 * per_score
         activations += scores * (1 if run.checkpointing else shapes.num_layers)
         p.assumptions.append("eager attention per example (softcapping or sinks): each head's seq x seq scores kept "
-                             f"in {3 * act_bytes + 4} bytes each (scores, capped, fp32 softmax, cast)")
+                             f"in {per_score} bytes each (fp32 softmax, its cast back, softcapping's tanh)")
     if run.method != "full" and (run.method == "lora" and act_bytes == 2 or run.lora_dropout > 0):
         p.assumptions.append("LoRA: each adapted linear keeps its own copy of its input (autocast's bf16 copy of the "
                              "fp32 adapter's input, or dropout's output and mask)")

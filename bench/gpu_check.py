@@ -427,8 +427,8 @@ def replanned_row(name: str, argv: list[str], accelerate_config: str | None, mea
 
 
 def quantization() -> dict:
-    """The same bf16 weights quantized to NF4 (blocksize 64, nested statistics, bf16 storage) by bitsandbytes on the CPU,
-    as the sharded loading does in host RAM, and on the GPU, as a one-process load does: the packed bytes and the
+    """The same bf16 weights quantized to NF4 (blocksize 64, nested statistics, bf16 storage) by bitsandbytes on the
+    CPU, as the sharded loading does in host RAM, and on the GPU, as a one-process load does: the packed bytes and the
     weights each dequantizes to (both dequantized on the GPU)."""
     import bitsandbytes.functional as bnbf
     import torch

@@ -194,8 +194,10 @@ for kept in (False, True):
         keep_fsdp1_buffers_in_fp32(plugin)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                          num_attention_heads=4, vocab_size=128))
-    model.model.rotary_emb.register_forward_pre_hook(lambda m, a, kept=kept: seen.update({{kept: str(m.inv_freq.dtype)}}))
-    FSDP(model, mixed_precision=plugin.mixed_precision_policy, device_id=torch.device("cpu"))(input_ids=torch.ones(1, 3, dtype=torch.long))
+    rotary = model.model.rotary_emb
+    rotary.register_forward_pre_hook(lambda m, a, kept=kept: seen.update({{kept: str(m.inv_freq.dtype)}}))
+    wrapped = FSDP(model, mixed_precision=plugin.mixed_precision_policy, device_id=torch.device("cpu"))
+    wrapped(input_ids=torch.ones(1, 3, dtype=torch.long))
 print(json.dumps(seen))
 """
 

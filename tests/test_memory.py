@@ -180,14 +180,16 @@ def test_the_loss_backward_holds_what_the_plan_counts_per_tile_element():
 
 
 def test_eager_attention_adds_each_examples_scores_once_per_layer_or_once_with_checkpointing():
-    """eager_varlen (Gemma-2, gpt-oss) keeps each example's seq x seq scores per head: scores, their capped and fp32
-    softmaxed forms and the cast back, 3 x 2 + 4 bytes each in bf16."""
+    """eager_varlen (Gemma-2, gpt-oss) keeps each example's seq x seq scores per head (what it keeps per score:
+    test_each_layer_keeps_what_the_plan_counts), in every layer, or in the one recomputed with checkpointing."""
+    from memory import eager_score_bytes
+
     shapes = Shapes.of(load_config("llama-2-7b"))
     for checkpointing, layers in ((True, 1), (False, shapes.num_layers)):
         run = Run(batch=2, seq=1024, checkpointing=checkpointing)
         added = plan(shapes, replace(run, eager_attention=True)).per_gpu["activations"] - plan(shapes, run).per_gpu[
             "activations"]
-        assert added * GIB == pytest.approx(2 * shapes.heads * 1024 ** 2 * (3 * 2 + 4) * layers)
+        assert added * GIB == pytest.approx(2 * shapes.heads * 1024 ** 2 * eager_score_bytes(shapes, run) * layers)
 
 
 LAYER_PROBES = {  # small models whose layers the saved tensors are counted on: dense, and experts (2 of 4 routed)
@@ -196,6 +198,14 @@ LAYER_PROBES = {  # small models whose layers the saved tensors are counted on: 
     "mixtral": ("MixtralConfig", dict(hidden_size=128, intermediate_size=96, num_attention_heads=4,
                                       num_key_value_heads=4, vocab_size=256, num_local_experts=4,
                                       num_experts_per_tok=2)),
+    # eager attention per example (softcapped scores), four norms per layer, queries wider than hidden
+    "gemma2": ("Gemma2Config", dict(hidden_size=128, intermediate_size=352, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=48, vocab_size=256, attn_logit_softcapping=50.0,
+                                    final_logit_softcapping=30.0, query_pre_attn_scalar=48)),
+    # eager attention with sinks, experts (2 of 4 routed)
+    "gpt_oss": ("GptOssConfig", dict(hidden_size=128, intermediate_size=96, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=32, vocab_size=256, num_local_experts=4,
+                                     num_experts_per_tok=2)),
 }
 
 
@@ -214,12 +224,12 @@ def saved_bytes_of_layers(family: str, layers: int, method: str, precision: str,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from fast_paths import CPU_FP32_ATTENTION_UP_TO, register_attention
+    from fast_paths import CPU_FP32_ATTENTION_UP_TO, attention_for, register_attention
     from moe import fused_experts, split_experts
 
     length = CPU_FP32_ATTENTION_UP_TO + 128
     config = probe_config(family, layers)
-    config._attn_implementation = register_attention()
+    config._attn_implementation = register_attention(attention_for(config)[0])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16 if precision == "bf16" else torch.float32)
     if fused_experts(model):  # as the recipe loads a mixture of experts: one linear module per expert
@@ -259,19 +269,25 @@ def saved_bytes_of_layers(family: str, layers: int, method: str, precision: str,
     ("llama", "lora", "fp32", 0.05),  # dropout's output and mask
     ("llama", "full", "bf16", 0.0),
     ("mixtral", "qlora", "bf16", 0.0),  # each routed expert's input and output
+    ("gemma2", "lora", "bf16", 0.0),  # and each example's scores: softmax, its cast, softcapping's tanh
+    ("gemma2", "lora", "fp32", 0.0),
+    ("gpt_oss", "qlora", "bf16", 0.0),
 ])
 def test_each_layer_keeps_what_the_plan_counts(family, method, precision, dropout):
     """What one decoder layer keeps for the backward (a model of two layers less one of one layer: the embedding, the
     head and the loss cancel out) against memory.layer_activation_bytes, within 5% (the router's few values per token
     are not counted). The old count (10 x hidden + 2 x kv
     + 5 x intermediate values, plus each branch's input again in the adapter's dtype) was up to 1.7 times this."""
-    from fast_paths import CPU_FP32_ATTENTION_UP_TO
-    from memory import layer_activation_bytes
+    from fast_paths import CPU_FP32_ATTENTION_UP_TO, EAGER_ATTENTION, attention_for
+    from memory import eager_score_bytes, layer_activation_bytes
 
-    examples = 2
-    tokens = examples * (CPU_FP32_ATTENTION_UP_TO + 128)
+    examples, length = 2, CPU_FP32_ATTENTION_UP_TO + 128
+    tokens = examples * length
     measured = (saved_bytes_of_layers(family, 2, method, precision, dropout, examples) -
                 saved_bytes_of_layers(family, 1, method, precision, dropout, examples))
     shapes = Shapes.of(probe_config(family, 1))
     run = Run(method=method, precision=precision, lora_dropout=dropout, device="cpu")
-    assert measured == pytest.approx(tokens * layer_activation_bytes(shapes, run), rel=0.05)
+    planned = tokens * layer_activation_bytes(shapes, run)
+    if attention_for(probe_config(family, 1))[0] == EAGER_ATTENTION:
+        planned += examples * shapes.heads * length ** 2 * eager_score_bytes(shapes, run)
+    assert measured == pytest.approx(planned, rel=0.05)
