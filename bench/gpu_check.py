@@ -95,7 +95,7 @@ class Results:
     def __init__(self, out: Path, dry_run: bool):
         self.path = out / "gpu_check.json"
         self.values = {"date": time.strftime("%Y-%m-%d %H:%M"), "dry_run": dry_run, "versions": versions(),
-                       "installed": installed_wheels()}
+                       "installed": installed_wheels(), "gpu_gib": gpu_gib()}
 
     def record(self, part: str, value, key: str | None = None) -> None:
         if key is None:
@@ -214,6 +214,13 @@ def installed_wheels() -> dict:
         except importlib.metadata.PackageNotFoundError:
             found[name] = {"carried": version, "imported": None}
     return found
+
+
+def gpu_gib() -> float | None:
+    """The GPU's memory as torch reports it (what train.py plans against), GiB."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
 
 
 def versions() -> dict:
@@ -373,19 +380,20 @@ def replan_runs(results: dict, work: Path) -> list[dict]:
     from memory import PRESETS
 
     data = prompt_completion_copy(REPO / "data" / "dates", work / "dates-prompt-completion")
+    gpu_gib = results.get("gpu_gib") or GPU_GIB  # recorded by later runs; the first ones ran on an H200
     speed, rows = results.get("speed") or {}, []
     for method, row in (speed.get("results") or {}).items():
         model = config_only_model(work / "speed", {**PRESETS.get(speed["shape"], {}), **SHAPES[speed["shape"]]})
         argv = [*recipe_argv(str(model), str(data), speed["steps"], work / "out"), "--per_device_train_batch_size",
                 str(speed["batch"]), "--max_length", str(speed["seq"]), *METHODS[method]]
-        rows.append(replanned_row(f"{speed['shape']} {method}", argv, None, row["memory_against_plan"]))
+        rows.append(replanned_row(f"{speed['shape']} {method}", argv, None, row["memory_against_plan"], gpu_gib))
     for name, row in (results.get("launchers") or {}).items():
         if "memory_against_plan" not in row:
             continue
         config, extra = LAUNCHERS[name]
         model = config_only_model(work / "launcher", LAUNCHER_MODEL)
         argv = launcher_argv(model, work / "out", extra, dry_run=False)
-        rows.append(replanned_row(name, argv, config, row["memory_against_plan"]))
+        rows.append(replanned_row(name, argv, config, row["memory_against_plan"], gpu_gib))
     return rows
 
 
@@ -402,23 +410,23 @@ def config_only_model(out: Path, values: dict) -> Path:
     return out
 
 
-def replanned_row(name: str, argv: list[str], accelerate_config: str | None, measured: dict) -> dict:
+def replanned_row(name: str, argv: list[str], accelerate_config: str | None, measured: dict,
+                  gpu_gib: float = GPU_GIB) -> dict:
+    """One recorded run's training peak beside its recorded plan and train.py's plan now, for a GPU of `gpu_gib`."""
     from dataclasses import replace
 
     import train
     from arguments import parse_arguments
     from configuration import gather, settle
     from launch import Launch, launch_environment
+    from memory import CUDA_CONTEXT_GIB
 
-    gpu_gib = GPU_GIB
     request = parse_arguments([*argv, "--gpu_gib", str(gpu_gib)])
     env = launch_environment(["--config_file", accelerate_config, "--num_processes", "1", "train.py"]) \
         if accelerate_config else {}
     facts = replace(gather(request), here=False, cuda=True, native_bf16=True, launch=Launch(env, 1))
     config = settle(request, facts)
     phases = train.planned_phases(config, train.load_data(config))
-    from memory import CUDA_CONTEXT_GIB
-
     train_phase = measured["train"]
     return {"run": name, "measured_allocated_gib": train_phase["allocated_gib"],
             "planned_then_gib": train_phase["planned_allocated_gib"],
