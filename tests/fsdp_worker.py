@@ -1,7 +1,8 @@
 """Runs train.py's recipe in each process of a launch, then records what the tests (and bench/gpu_check.py, one process
 per shipped config on a GPU) check: how the model was sharded, the loss history, the logits of the trained sharded
-model and its 4-bit layers. Not a copy of the recipe: `train.run`, then `train.close_process_group`, as `python train.py`
-does. Works under every engine the launchers use: FSDP1, FSDP2, DeepSpeed ZeRO-3."""
+model, how far its final save is from the weights it holds, and its 4-bit layers. Not a copy of the recipe: `train.run`,
+then `train.close_process_group`, as `python train.py` does. Works under every engine the launchers use: FSDP1, FSDP2,
+DeepSpeed ZeRO-3."""
 
 import json
 import os
@@ -41,8 +42,15 @@ def main() -> None:
     batch = trainer.processing_class([PROBE], return_tensors="pt").to(trainer.accelerator.device)
     with torch.no_grad():
         logits = model.eval()(**batch).logits  # every rank takes part in the sharded forward
+    trained = adapter_weights(model)  # every rank takes part in the gather
     if rank == 0:
         torch.save(logits.float().cpu(), out / "sharded_logits.pt")
+        from safetensors.torch import load_file
+
+        saved = load_file(out / "adapter_model.safetensors")
+        report["adapter_saved_keys_match"] = sorted(saved) == sorted(trained)
+        report["adapter_saved_max_abs_difference"] = max(
+            ((saved[key].float() - trained[key]).abs().max().item() for key in saved if key in trained), default=None)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     torch.save(four_bit_layers(model), out / f"rank{rank}_4bit.pt")
     train.close_process_group()  # as `python train.py` ends
@@ -92,6 +100,19 @@ def whole_parameters(model):
 
         return deepspeed.zero.GatheredParameters(list(model.parameters()))
     return nullcontext()
+
+
+def adapter_weights(model) -> dict:
+    """The LoRA weights as the trained sharded model holds them (gathered whole), named as PEFT saves them."""
+    weights = {}
+    with whole_parameters(model):
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                weight = p.full_tensor() if isinstance(p, DTensor) else p
+                for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+                    name = name.replace(wrapper, "")
+                weights[name.replace(".default", "")] = weight.detach().float().cpu().clone()
+    return weights
 
 
 def four_bit_layers(model) -> dict:

@@ -257,6 +257,7 @@ def test_two_processes_equal_one_process(case, moe_dirs, mixtral64_dir, chat_dir
             assert report["layers_are_fsdp"] == [True, True]
         experts = [p for name, p in report["params"].items() if ".experts." in name and not p["trainable"]]
         assert experts and all(p["local_numel"] < p["numel"] for p in experts)  # every expert matrix sharded
+    assert ranks[0]["adapter_saved_keys_match"] and ranks[0]["adapter_saved_max_abs_difference"] == 0.0  # as trained
 
     trainer, _ = train.run([*recipe_args(model_dir, chat_dir, tmp_path / "one", 4, quantized), *args])
     # 4-bit: the two runs reduce gradients in another order over bf16-stored weights; fp32: rounding only. The grad
