@@ -340,8 +340,19 @@ def training_state(shapes: Shapes, run: Run, p: Plan) -> TrainingState:
 FSDP2_UNITS_ACCELERATE = "1.15"
 
 
-# DeepSpeed 0.19's stage3_max_reuse_distance default, which accelerate's generated ZeRO-3 config leaves in place
+# DeepSpeed 0.19's stage3_max_reuse_distance and reduce_bucket_size defaults, which accelerate's generated ZeRO-3
+# config leaves in place
 ZERO3_MAX_REUSE_DISTANCE = 10**9
+ZERO3_REDUCE_BUCKET_SIZE = 5 * 10**8
+
+
+def zero3_reduce_bucket(run: Run) -> float:
+    """Bytes of ZeRO-3's gradient reduction bucket on each GPU: stage3.py allocates reduce_bucket_size elements of the
+    communication dtype on the device when the optimizer is built (contiguous_gradients, on by default), whatever the
+    number of trainable parameters. Measured on one H200: the load phase held 0.97-0.99 GiB more than the weights."""
+    if run.engine != "deepspeed" or run.zero_stage != 3 or run.device != "cuda":
+        return 0.0
+    return ZERO3_REDUCE_BUCKET_SIZE * run.value_bytes
 
 
 def zero3_layers_kept(shapes: Shapes, layer_numel: float) -> int:
@@ -349,7 +360,8 @@ def zero3_layers_kept(shapes: Shapes, layer_numel: float) -> int:
     second step), DeepSpeed releases a module's parameters after use only if they do not recur within the next
     stage3_max_reuse_distance parameters of the trace (partitioned_param_coordinator.__params_to_release). Between a
     layer's forward and its backward run the later layers and the head twice (forward, then backward), so the last
-    layers of a model of a few billion parameters stay gathered: 10 of the 16 of a 1.1B Llama in bf16."""
+    layers of a model of a few billion parameters stay gathered: 10 of the 16 of a 1.1B Llama in bf16 (from DeepSpeed
+    0.19.8's source; on one process nothing is gathered, so the GPU check's runs do not measure it)."""
     head = shapes.vocab * shapes.hidden
     room = ZERO3_MAX_REUSE_DISTANCE / 2 - head
     return 0 if room <= 0 else min(shapes.num_layers, int(room // max(layer_numel, 1)) + 1)
@@ -360,6 +372,10 @@ def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p:
     weight_bytes = run.value_bytes
     layer = shapes.largest_layer * (run.nf4_bytes if run.method == "qlora" else weight_bytes)
     outside = shapes.unquantized * weight_bytes
+    if run.engine == "deepspeed" and run.gpus <= 1:
+        p.assumptions.append("ZeRO-3 on one process: nothing is gathered (DeepSpeed computes with the partition, which "
+                             "is the whole parameter)")
+        return 0.0
     if run.engine == "deepspeed":
         kept = zero3_layers_kept(shapes, layer / weight_bytes)
         p.assumptions.append(f"ZeRO-3: {max(kept, 2)} decoder layers gathered at the loss (those DeepSpeed keeps for "
@@ -475,7 +491,7 @@ def plan(shapes: Shapes, run: Run) -> Plan:
         host_state = {}
     gathered = gathered_bytes(shapes, run, activations, logits, p) if state.sharded else 0.0
     gpu = {**held, "gathered units": gathered, "activations": activations, "loss (head tiles)": logits,
-           "4-bit dequantization": dequant}
+           "4-bit dequantization": dequant, "ZeRO-3 reduce bucket": zero3_reduce_bucket(run)}
     if on_gpu:
         p.per_gpu = {k: v / GIB for k, v in gpu.items()}
         p.per_gpu["CUDA context"] = CUDA_CONTEXT_GIB
@@ -617,12 +633,14 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     keeps its 1/n slice. The peak is each rank's own shard plus the largest tensor and its slice in flight."""
     t = load_terms(shapes, run, base, adapter, sharded)
     n, on_gpu = t.n, t.on_gpu
-    if run.engine == "fsdp" and run.weights_from_rank0 and n > 1:
+    if run.engine == "fsdp" and run.weights_from_rank0 and (n > 1 or run.fsdp_version == 2 and on_gpu):
+        # FSDP2 broadcasts each tensor even to a world of one (one H200: the load held one 0.19 GiB head more)
         gpu, rank0, other = fsdp1_load(t, run, p) if run.fsdp_version == 1 else fsdp2_load(t, p)
     elif run.engine == "deepspeed" and run.zero_stage == 3 and n > 1 and run.weights_from_rank0:
         gpu, rank0, other = zero3_load(t, p)
     else:
         gpu, rank0, other = unsharded_load(t, shapes, run, base, p)
+    gpu += zero3_reduce_bucket(run)  # allocated when the engine is built, before the first step
     if not t.converted:
         p.assumptions.append("load: weights already in the load dtype are the memory-mapped checkpoint pages, which "
                              "the kernel can evict, and are not counted")

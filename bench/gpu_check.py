@@ -429,10 +429,12 @@ def replanned_row(name: str, argv: list[str], accelerate_config: str | None, mea
     facts = replace(gather(request), here=False, cuda=True, native_bf16=True, launch=Launch(env, 1))
     config = settle(request, facts)
     phases = train.planned_phases(config, train.load_data(config))
-    train_phase = measured["train"]
+    train_phase, load_phase = measured["train"], measured["load"]
     return {"run": name, "measured_allocated_gib": train_phase["allocated_gib"],
             "planned_then_gib": train_phase["planned_allocated_gib"],
             "planned_now_gib": phases["train"]["gpu"] - CUDA_CONTEXT_GIB,
+            "load_measured_allocated_gib": load_phase["allocated_gib"],
+            "load_planned_now_gib": phases["load"]["gpu"] - CUDA_CONTEXT_GIB,
             "checkpointing": bool(config.training.activation_checkpointing)}
 
 
@@ -506,10 +508,12 @@ def main() -> None:
         import tempfile
 
         with tempfile.TemporaryDirectory() as work:
-            print("| run | train peak allocated, GiB | planned then | planned now |\n|---|---|---|---|")
+            print("| run | train peak allocated, GiB | planned then | planned now | load peak allocated | planned "
+                  "now |\n|---|---|---|---|---|---|")
             for row in replan_runs(json.loads(args.results.read_text()), Path(work)):
                 print(f"| {row['run']} | {row['measured_allocated_gib']:.2f} | {row['planned_then_gib']:.2f} | "
-                      f"{row['planned_now_gib']:.2f} |")
+                      f"{row['planned_now_gib']:.2f} | {row['load_measured_allocated_gib']:.2f} | "
+                      f"{row['load_planned_now_gib']:.2f} |")
         return
     log = Log(args.out)  # before the install: a failed install leaves its reason here
     if not args.dry_run or args.carried:
