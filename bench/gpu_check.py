@@ -243,7 +243,7 @@ def versions() -> dict:
 def speed(dry_run: bool, work: Path, results: Results, methods: list[str]) -> dict:
     from gpu_benchmark import measure, summary_lines
 
-    shape, steps, seq = ("tiny", 3, 256) if dry_run else ("llama-3-8b", 6, 2048)
+    shape, steps, seq = ("tiny", 3, 256) if dry_run else ("llama-3-8b", 10, 2048)  # 9 steps after the first
     methods = methods[:1] if dry_run else methods  # on CPU one shows the path
     measured = measure(shape, steps, 2, seq, methods, work,
                        on_result=lambda method, row: results.record("speed", row, key=f"run {method}"))
