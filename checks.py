@@ -446,10 +446,10 @@ RULES: list[Callable[[Configuration], Problem | None]] = [
     model_source, tokenizer_builds, dataset_source, mxfp4_checkpoint, flash_attention, bf16_support, fp16_without_gpu,
     quant_storage_dtype, fsdp2_mixed_precision_casts_4bit, eight_bit_with_fsdp, bnb_optimizer_with_fsdp,
     qlora_fsdp_loading, ram_efficient_without_sync, compile_with_fsdp1, two_activation_checkpointings,
-    fsdp1_reshard_after_forward_ignored, fsdp1_on_one_process, deepspeed_set_twice, zero3_non_reentrant, single_process_generation,
-    evaluation_without_split, added_tokens_under_fsdp, no_layer_class_to_wrap, output_dir_holds_another_run,
-    output_dir_writable, resume_checkpoint, token_on_command_line, publishing_a_local_path, memory_fit,
-    host_ram_by_phase,
+    fsdp1_reshard_after_forward_ignored, fsdp1_on_one_process, deepspeed_set_twice, zero3_non_reentrant,
+    single_process_generation, evaluation_without_split, added_tokens_under_fsdp, no_layer_class_to_wrap,
+    output_dir_holds_another_run, output_dir_writable, resume_checkpoint, token_on_command_line,
+    publishing_a_local_path, memory_fit, host_ram_by_phase,
 ]
 
 

@@ -402,6 +402,12 @@ def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p:
     return max(at_loss, at_tail_gather, 2 * embedding) - activations - loss
 
 
+def lora_branches_copy_input(run: Run) -> bool:
+    """Each LoRA branch keeps its own copy of its input: autocast's bf16 copy when PEFT's adapters are fp32 on bf16
+    activations (TRL casts a quantized model's to bf16), or dropout's output."""
+    return run.method != "full" and (run.method == "lora" and run.value_bytes == 2 or run.lora_dropout > 0)
+
+
 def layer_activation_bytes(shapes: Shapes, run: Run) -> float:
     """Bytes one token keeps for the backward in one decoder layer (attention by sdpa/flash, frozen or 4-bit base). Each
     norm keeps its input in fp32; attention its query, key, value and output; the gated MLP its gate, activation and up
@@ -422,12 +428,11 @@ def layer_activation_bytes(shapes: Shapes, run: Run) -> float:
     inputs = shapes.hidden + shapes.q_dim + shapes.mlp_paths * shapes.hidden + shapes.intermediate
     if run.method == "full":  # trainable norm weights keep their normalized input too
         return kept + (inputs + shapes.norm_inputs) * act
-    cast = run.method == "lora" and act == 2  # PEFT's fp32 adapters; TRL casts a quantized model's to bf16
-    dropout = run.lora_dropout > 0
-    if not (cast or dropout):
+    if not lora_branches_copy_input(run):
         return kept + inputs * act
+    cast = run.method == "lora" and act == 2  # the branch's input cast to its fp32 adapter before dropout
     # CUDA's fused dropout keeps a bool mask; torch's CPU dropout a mask in the dtype it ran in (fp32 after the cast)
-    mask = (1 if run.device == "cuda" else 4 if cast else act) if dropout else 0
+    mask = (1 if run.device == "cuda" else 4 if cast else act) if run.lora_dropout > 0 else 0
     return kept + shapes.linear_inputs * (act + mask)
 
 
@@ -464,7 +469,7 @@ def activation_bytes(shapes: Shapes, run: Run, p: Plan) -> float:
         activations += scores * (1 if run.checkpointing else shapes.num_layers)
         p.assumptions.append("eager attention per example (softcapping or sinks): each head's seq x seq scores kept "
                              f"in {per_score} bytes each (fp32 softmax, its cast back, softcapping's tanh)")
-    if run.method != "full" and (run.method == "lora" and act_bytes == 2 or run.lora_dropout > 0):
+    if lora_branches_copy_input(run):
         p.assumptions.append("LoRA: each adapted linear keeps its own copy of its input (autocast's bf16 copy of the "
                              "fp32 adapter's input, or dropout's output and mask)")
     return activations

@@ -50,20 +50,31 @@ def recipe_tokenizer_dir() -> Path:
     return folder if (folder / "tokenizer.json").is_file() else convert_default_model()
 
 
-def random_model(shape: str, work: Path, config: dict | None = None) -> Path:
-    """A checkpoint of the shape (or of `config`, named `shape`) with random weights and SmolLM2's tokenizer (its ids
-    fit any larger vocabulary)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
+def shape_values(shape: str) -> dict:
+    """The config values of a named shape: memory.py's preset, with what a checkpoint needs beyond it."""
     from memory import PRESETS
+
+    return {**PRESETS.get(shape, {}), **SHAPES[shape]}
+
+
+def checkpoint_config(values: dict, tokenizer, **extra):
+    """A Llama config of `values` with an untied head and `tokenizer`'s special ids (SmolLM2's fit any larger
+    vocabulary)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**values, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra)
+
+
+def random_model(shape: str, work: Path, config: dict | None = None) -> Path:
+    """A checkpoint of the shape (or of `config`, named `shape`) with random weights and SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     out = work / f"random-{shape}"
     if (out / "config.json").is_file():
         return out
     tokenizer = AutoTokenizer.from_pretrained(recipe_tokenizer_dir())
-    values = config or {**PRESETS.get(shape, {}), **SHAPES[shape]}
-    config = LlamaConfig(**values, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = checkpoint_config(config or shape_values(shape), tokenizer)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)

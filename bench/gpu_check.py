@@ -376,38 +376,37 @@ def replan_runs(results: dict, work: Path) -> list[dict]:
     """Each GPU run in `results` (gpu_check.json) with its training peak as measured, as planned then, and as the
     current planner plans it: train.py's own plan for the same flags, data and launch, on a GPU of the measured one's
     size (the models as config.json and tokenizer alone: no weights are needed to plan)."""
-    from gpu_benchmark import METHODS, SHAPES
+    from gpu_benchmark import METHODS, shape_values
 
     from benchmark import prompt_completion_copy, recipe_argv
-    from memory import PRESETS
 
     data = prompt_completion_copy(REPO / "data" / "dates", work / "dates-prompt-completion")
     gpu_gib = results.get("gpu_gib") or GPU_GIB  # recorded by later runs; the first ones ran on an H200
     speed, rows = results.get("speed") or {}, []
+    if speed.get("results"):
+        model = config_only_model(work / "speed", shape_values(speed["shape"]))
     for method, row in (speed.get("results") or {}).items():
-        model = config_only_model(work / "speed", {**PRESETS.get(speed["shape"], {}), **SHAPES[speed["shape"]]})
         argv = [*recipe_argv(str(model), str(data), speed["steps"], work / "out"), "--per_device_train_batch_size",
                 str(speed["batch"]), "--max_length", str(speed["seq"]), *METHODS[method]]
         rows.append(replanned_row(f"{speed['shape']} {method}", argv, None, row["memory_against_plan"], gpu_gib))
-    for name, row in (results.get("launchers") or {}).items():
-        if "memory_against_plan" not in row:
-            continue
-        config, extra = LAUNCHERS[name]
+    launched = {name: row for name, row in (results.get("launchers") or {}).items() if "memory_against_plan" in row}
+    if launched:
         model = config_only_model(work / "launcher", LAUNCHER_MODEL)
+    for name, row in launched.items():
+        config, extra = LAUNCHERS[name]
         argv = launcher_argv(model, work / "out", extra, dry_run=False)
         rows.append(replanned_row(name, argv, config, row["memory_against_plan"], gpu_gib))
     return rows
 
 
 def config_only_model(out: Path, values: dict) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig
+    """A model folder of `values` with config.json and the tokenizer, no weights: all train.py needs to plan."""
+    from transformers import AutoTokenizer
 
-    from gpu_benchmark import recipe_tokenizer_dir
+    from gpu_benchmark import checkpoint_config, recipe_tokenizer_dir
 
     tokenizer = AutoTokenizer.from_pretrained(recipe_tokenizer_dir())
-    LlamaConfig(**values, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                dtype="bfloat16").save_pretrained(out)
+    checkpoint_config(values, tokenizer, dtype="bfloat16").save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

@@ -219,8 +219,9 @@ def probe_config(family: str, layers: int):
 def saved_bytes_of_layers(family: str, layers: int, method: str, precision: str, dropout: float,
                           examples: int) -> int:
     """Bytes of the tensors one forward keeps for its backward (autograd's saved tensors, parameters left out), on a
-    small Llama with `layers` decoder layers and LoRA on every linear, under autocast in bf16 as the Trainer runs it,
-    over a packed row of examples of 640 tokens (the recipe's attention, past its fp32 range on CPU)."""
+    small model of `family` with `layers` decoder layers and LoRA on every linear (or none: full), under autocast in
+    bf16 as the Trainer runs it, over a packed row of examples of 640 tokens (the recipe's attention for the family,
+    past its fp32 range on CPU)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -275,9 +276,9 @@ def saved_bytes_of_layers(family: str, layers: int, method: str, precision: str,
 ])
 def test_each_layer_keeps_what_the_plan_counts(family, method, precision, dropout):
     """What one decoder layer keeps for the backward (a model of two layers less one of one layer: the embedding, the
-    head and the loss cancel out) against memory.layer_activation_bytes, within 5% (the router's few values per token
-    are not counted). The old count (10 x hidden + 2 x kv
-    + 5 x intermediate values, plus each branch's input again in the adapter's dtype) was up to 1.7 times this."""
+    head and the loss cancel out) against memory.layer_activation_bytes and eager_score_bytes, within 5% (the router's
+    few values per token are not counted). The old count (10 x hidden + 2 x kv + 5 x intermediate values, plus each
+    branch's input again in the adapter's dtype) was up to 1.7 times this."""
     from fast_paths import CPU_FP32_ATTENTION_UP_TO, EAGER_ATTENTION, attention_for
     from memory import eager_score_bytes, layer_activation_bytes
 
