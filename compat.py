@@ -172,6 +172,22 @@ def transformers_zero3_hidden(hide: bool):
         hf_deepspeed.set_hf_deepspeed_config(reference())
 
 
+def before_each_model_wrap(accelerator, adjust: Callable[[], Any]) -> None:
+    """`adjust()` each time `accelerator` is about to wrap a model, the last moment the FSDP plugin can still change.
+    transformers 5.23's Trainer (`_prepare_for_training`) calls `update_fsdp_plugin_peft` just before
+    `accelerator.prepare(model)`, and for a 4-bit model with float storage that sets the plugin's mixed precision to the
+    storage dtype with `override=True`, buffers included: a change made when the accelerator was built is gone by then.
+    accelerate 1.15's `prepare` reaches the wrap through the instance's `prepare_model`."""
+    prepare_model = accelerator.prepare_model
+
+    @functools.wraps(prepare_model)
+    def adjusted_then_prepared(*args, **kwargs):
+        adjust()
+        return prepare_model(*args, **kwargs)
+
+    accelerator.prepare_model = adjusted_then_prepared
+
+
 def _compile_on_first_call(compile_now):
     """torch.compile that compiles a function when it is first called rather than when it is decorated."""
     def compile_later(function=None, **options):

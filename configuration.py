@@ -365,10 +365,16 @@ def decide_cpu_engine(config: Configuration) -> None:
 def decide_fsdp1_buffers(config: Configuration) -> None:
     """What the trainer does to FSDP1's mixed precision (trainers.keep_fsdp1_buffers_in_fp32), said."""
     launch = config.launch
-    if launch.fsdp and launch.fsdp_version == 1 and config.mixed_precision in ("bf16", "fp16"):
-        config.decisions.append(Decision("fsdp1 buffer dtype", "float32", f"accelerate's {config.mixed_precision} "
-                                         "policy would have FSDP1 cast every buffer, the rotary embedding's inverse "
-                                         "frequencies too, shifting each position's phase with its index"))
+    if not (launch.fsdp and launch.fsdp_version == 1):
+        return
+    # transformers gives a 4-bit model's FSDP policy its float storage dtype whatever the precision flags say
+    storage = config.quantized_4bit and config.dtype in (torch.bfloat16, torch.float16)
+    if config.mixed_precision in ("bf16", "fp16") or storage:
+        policy = (f"transformers' {str(config.dtype).removeprefix('torch.')} policy for 4-bit storage" if storage
+                  else f"accelerate's {config.mixed_precision} policy")
+        config.decisions.append(Decision("fsdp1 buffer dtype", "float32", f"{policy} would have FSDP1 cast every "
+                                         "buffer, the rotary embedding's inverse frequencies too, shifting each "
+                                         "position's phase with its index"))
 
 
 def decide_compile(config: Configuration) -> None:

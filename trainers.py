@@ -120,7 +120,8 @@ def without_fsdp1_device_settings(launch: Launch):
 def keep_fsdp1_buffers_in_fp32(plugin) -> bool:
     """Give an FSDP1 plugin's bf16/fp16 mixed-precision policy fp32 buffers; True if it changed the policy.
 
-    accelerate 1.15's `set_mixed_precision` gives FSDP1 `buffer_dtype` = the compute dtype, and torch 2.13's FSDP1 casts
+    accelerate 1.15's `set_mixed_precision` gives FSDP1 `buffer_dtype` = the compute dtype (and transformers 5.23 sets a
+    4-bit model's policy to its float storage dtype the same way, bf16 flag or not), and torch 2.13's FSDP1 casts
     every buffer to it before the first forward (tests/test_distributed.py shows it). The rotary embedding's inverse
     frequencies are a buffer: in bf16 they keep 8 bits, and each position's phase drifts in proportion to its index
     (at 2048 tokens the fastest-turning pairs are 2.5 rad off with RoPE base 10^4, 3.7 with 5 x 10^5), so the adapter
@@ -134,12 +135,16 @@ def keep_fsdp1_buffers_in_fp32(plugin) -> bool:
 
 
 class Fsdp1Fp32BuffersMixin:
-    """The trainer's FSDP1 mixed precision with fp32 buffers (keep_fsdp1_buffers_in_fp32), set before the model is
-    wrapped."""
+    """The trainer's FSDP1 mixed precision with fp32 buffers (keep_fsdp1_buffers_in_fp32), set as the model is wrapped:
+    the Trainer sets a 4-bit model's policy again just before (compat.before_each_model_wrap)."""
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        keep_fsdp1_buffers_in_fp32(getattr(self.accelerator.state, "fsdp_plugin", None))
+        from compat import before_each_model_wrap
+
+        accelerator = self.accelerator
+        before_each_model_wrap(accelerator,
+                               lambda: keep_fsdp1_buffers_in_fp32(getattr(accelerator.state, "fsdp_plugin", None)))
 
 
 class RecipeSFTTrainer(CompleteCheckpointsMixin, Fsdp1Fp32BuffersMixin, SFTTrainer):

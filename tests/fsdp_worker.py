@@ -1,8 +1,8 @@
 """Runs train.py's recipe in each process of a launch, then records what the tests (and bench/gpu_check.py, one process
-per shipped config on a GPU) check: how the model was sharded, the loss history, the logits of the trained sharded
-model, how far its final save is from the weights it holds, and its 4-bit layers. Not a copy of the recipe: `train.run`,
-then `train.close_process_group`, as `python train.py` does. Works under every engine the launchers use: FSDP1, FSDP2,
-DeepSpeed ZeRO-3."""
+per shipped config on a GPU) check: how the model was sharded, the loss history, the logits of the trained sharded model
+and the dtypes its buffers computed in, how far its final save is from the weights it holds, and its 4-bit layers. Not a
+copy of the recipe: `train.run`, then `train.close_process_group`, as `python train.py` does. Works under every engine
+the launchers use: FSDP1, FSDP2, DeepSpeed ZeRO-3."""
 
 import json
 import os
@@ -42,6 +42,8 @@ def main() -> None:
     batch = trainer.processing_class([PROBE], return_tensors="pt").to(trainer.accelerator.device)
     with torch.no_grad():
         logits = model.eval()(**batch).logits  # every rank takes part in the sharded forward
+    # as the forward left them: FSDP1 casts buffers to its policy's buffer dtype before it (the rotary frequencies)
+    report["buffer_dtypes"] = sorted({str(buffer.dtype) for buffer in model.buffers()})
     trained = adapter_weights(model)  # every rank takes part in the gather
     if rank == 0:
         torch.save(logits.float().cpu(), out / "sharded_logits.pt")

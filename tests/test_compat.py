@@ -111,6 +111,22 @@ def test_accelerate_imports_deepspeed_only_to_recognise_its_engine():
     assert "if is_deepspeed_available():\n        from deepspeed import DeepSpeedEngine" in unwrap
 
 
+def test_the_trainer_sets_fsdps_policy_just_before_accelerate_wraps_through_prepare_model():
+    """compat.before_each_model_wrap: transformers' Trainer sets a PEFT model's FSDP plugin (a 4-bit model's mixed
+    precision, with override) right before `accelerator.prepare(model)`, and accelerate's prepare wraps a model through
+    the instance's `prepare_model`, so an adjustment made there has the last word."""
+    from accelerate import Accelerator
+    from transformers import Trainer
+    from transformers.distributed import fsdp as hf_fsdp
+
+    loop = inspect.getsource(Trainer._prepare_for_training)
+    assert loop.index("update_fsdp_plugin_peft(self.model, self.accelerator)") \
+        < loop.index("model = self.accelerator.prepare(self.model)")
+    update = inspect.getsource(hf_fsdp.update_fsdp_plugin_peft)
+    assert "set_mixed_precision(" in update and "override=True" in update
+    assert "self.prepare_model(obj" in inspect.getsource(Accelerator._prepare_one)
+
+
 def test_deepspeed_lists_its_shm_comm_op_among_the_compatible_ops():
     import deepspeed.ops
 

@@ -96,6 +96,10 @@ def test_placement_and_engine_follow_the_launch():
                for name, launch in (("fsdp1", fsdp1), ("fsdp2", fsdp), ("zero3", zero3))}
     assert buffers == {"fsdp1": "float32", "fsdp2": None, "zero3": None}  # only FSDP1 casts buffers
     assert "fsdp1 buffer dtype" not in {d.setting for d in settled(["--bf16", "false"], launch=fsdp1).decisions}
+    # transformers sets a 4-bit model's FSDP policy to its float storage dtype, bf16 flag or not; uint8 storage: none
+    assert "fsdp1 buffer dtype" in {d.setting for d in settled(qlora, launch=fsdp1).decisions}
+    assert "fsdp1 buffer dtype" not in {d.setting for d in settled(
+        [*qlora, "--bnb_4bit_quant_storage_dtype", "uint8"], launch=fsdp1).decisions}
     assert str(settled(qlora).dtype) == "torch.bfloat16"  # the bf16 quant storage dtype
 
 

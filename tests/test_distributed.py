@@ -81,6 +81,9 @@ def test_two_processes_match_one_process_and_load_and_save_as_planned(wide_model
         if fsdp_version == 2 and engine == "fsdp":  # FSDP2's bf16 policy is active where launched with it: it does
             # not touch the 4-bit payload stored in bf16 (the payloads below are bit-identical to one process's)
             assert report["fsdp2_param_dtype"] == ("torch.bfloat16" if mixed_precision == "bf16" else "None")
+        # the trained model computed from fp32 buffers (the rotary frequencies), as a reloaded one does; FSDP1 casts
+        # them to its policy's buffer dtype, which transformers sets to a 4-bit model's bf16 storage
+        assert report["buffer_dtypes"] == ["torch.float32"]
         for trainable in (True, False):  # each rank holds half of the adapter and half of the base (4-bit included)
             params = [p for p in report["params"].values() if p["trainable"] == trainable]
             assert params and sum(p["local_numel"] for p in params) <= 0.55 * sum(p["numel"] for p in params)
