@@ -134,24 +134,26 @@ def keep_fsdp1_buffers_in_fp32(plugin) -> bool:
     return True
 
 
-class Fsdp1Fp32BuffersMixin:
-    """The trainer's FSDP1 mixed precision with fp32 buffers (keep_fsdp1_buffers_in_fp32), set as the model is wrapped:
-    the Trainer sets a 4-bit model's policy again just before (compat.before_each_model_wrap)."""
+class Fsdp1WrapMixin:
+    """FSDP1's wrap as the recipe wants it: mixed precision with fp32 buffers (keep_fsdp1_buffers_in_fp32), set as the
+    model is wrapped, since the Trainer sets a 4-bit model's policy again just before (compat.before_each_model_wrap);
+    and no parameter kept past the wrap by accelerate's re-tying (compat.fsdp_param_init_fn_released_after_wrap)."""
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        from compat import before_each_model_wrap
+        from compat import before_each_model_wrap, fsdp_param_init_fn_released_after_wrap
 
         accelerator = self.accelerator
         before_each_model_wrap(accelerator,
                                lambda: keep_fsdp1_buffers_in_fp32(getattr(accelerator.state, "fsdp_plugin", None)))
+        fsdp_param_init_fn_released_after_wrap(accelerator)
 
 
-class RecipeSFTTrainer(CompleteCheckpointsMixin, Fsdp1Fp32BuffersMixin, SFTTrainer):
-    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py) and FSDP1's buffers in fp32."""
+class RecipeSFTTrainer(CompleteCheckpointsMixin, Fsdp1WrapMixin, SFTTrainer):
+    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py) and FSDP1's wrap (Fsdp1WrapMixin)."""
 
 
-class RecipeCpuEngineSFTTrainer(CompleteCheckpointsMixin, Fsdp1Fp32BuffersMixin, CpuEngineSFTTrainer):
+class RecipeCpuEngineSFTTrainer(CompleteCheckpointsMixin, Fsdp1WrapMixin, CpuEngineSFTTrainer):
     """The same, keeping FSDP or DeepSpeed on a host without an accelerator."""
 
 

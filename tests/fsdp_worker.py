@@ -53,9 +53,25 @@ def main() -> None:
         report["adapter_saved_keys_match"] = sorted(saved) == sorted(trained)
         report["adapter_saved_max_abs_difference"] = max(
             ((saved[key].float() - trained[key]).abs().max().item() for key in saved if key in trained), default=None)
+    report["live_tensor_bytes"] = live_tensor_bytes()
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     torch.save(four_bit_layers(model), out / f"rank{rank}_4bit.pt")
     train.close_process_group()  # as `python train.py` ends
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage this process still holds (a parameter kept beside the sharded model shows here)."""
+    import gc
+
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            try:
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a tensor whose storage FSDP has freed
+                continue
+    return sum(storages.values())
 
 
 def record_routing() -> dict[int, list[list[int]]]:

@@ -127,6 +127,34 @@ def test_the_trainer_sets_fsdps_policy_just_before_accelerate_wraps_through_prep
     assert "self.prepare_model(obj" in inspect.getsource(Accelerator._prepare_one)
 
 
+def test_accelerate_keeps_each_retied_parameter_in_the_param_init_fn_it_leaves_on_the_plugin():
+    """compat.fsdp_param_init_fn_released_after_wrap: accelerate's FSDP1 `prepare_model` swaps the plugin's
+    param_init_fn for ensure_weights_retied's closure, which stores each tied parameter as param_init_fn made it."""
+    from accelerate import Accelerator
+    from accelerate.utils import fsdp_utils
+
+    assert "fsdp_plugin.param_init_fn = ensure_weights_retied(" in inspect.getsource(Accelerator.prepare_model)
+    assert "_tied_params[id_key] = getattr(module, param_name)" in inspect.getsource(fsdp_utils.ensure_weights_retied)
+
+
+def test_the_plugin_gets_its_own_param_init_fn_back_once_the_model_is_wrapped():
+    from types import SimpleNamespace
+
+    def own(module):
+        return module
+
+    class Accelerator:  # what accelerate 1.15's prepare_model does to the plugin (the canary above)
+        state = SimpleNamespace(fsdp_plugin=SimpleNamespace(param_init_fn=own))
+
+        def prepare_model(self, model):
+            self.state.fsdp_plugin.param_init_fn = lambda module: module  # keeps what it re-tied
+            return model
+
+    accelerator, model = Accelerator(), object()
+    compat.fsdp_param_init_fn_released_after_wrap(accelerator)
+    assert accelerator.prepare_model(model) is model and accelerator.state.fsdp_plugin.param_init_fn is own
+
+
 def test_deepspeed_lists_its_shm_comm_op_among_the_compatible_ops():
     import deepspeed.ops
 

@@ -130,6 +130,73 @@ def test_fsdp2_gathers_the_tail_at_the_loss_and_twice_for_a_moment():
     assert peak == pytest.approx(2 * tail + per_gpu["activations"]) and peak > step("gemma-2-9b", 1, 64)[0]
 
 
+def test_over_gloo_a_gathered_vocabulary_is_held_twice_where_nccl_gathers_in_place():
+    """FSDP1's root unit and ZeRO-3's embedding and head as a step starts: held twice for a moment on CPU, where gloo
+    gathers through a buffer of its own (the probe below measures it), once on CUDA; on CPU the moment comes before any
+    activation, so a long step's loss can still be the peak."""
+    llama = Shapes.of(load_config(f"{REPO}/configs/models/Meta-Llama-3-8B"))
+    root = llama.unquantized * 2 / GIB  # embedding and head, bf16
+    for engine, version in (("fsdp", 1), ("deepspeed", 2)):
+        def step(device, seq=64):
+            run = Run(method="qlora", engine=engine, fsdp_version=version, gpus=2, batch=1, seq=seq, device=device)
+            planned = gib(run, f"{REPO}/configs/models/Meta-Llama-3-8B")
+            terms = planned.per_gpu if device == "cuda" else planned.host
+            return terms["gathered units"] + terms["activations"] + terms["loss (head tiles)"], terms
+
+        assert step("cpu")[0] == pytest.approx(2 * root) and step("cuda")[0] < 1.5 * root, engine
+        long_step, terms = step("cpu", seq=65536)  # its activations and loss outweigh the second copy
+        assert long_step > 2 * root and terms["gathered units"] == pytest.approx(step("cuda", 65536)[1]["gathered units"])
+
+
+GLOO_GATHER_PROBE = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def hwm_gib():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 2**20
+
+def rank(r, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=r, world_size=2)
+    shard = torch.randn(2**26, dtype=torch.bfloat16)  # 128 MiB; the whole output 256 MiB
+    out = torch.zeros(2 * shard.numel(), dtype=torch.bfloat16)  # resident before the gather
+    growth = {}
+    for name, gather in (("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(out, shard)),
+                         ("all_gather", lambda: dist.all_gather(list(out.chunk(2)), shard))):
+        dist.barrier()
+        open("/proc/self/clear_refs", "w").write("5")  # the high-water mark from here
+        before = hwm_gib()
+        gather()
+        growth[name] = (hwm_gib() - before) / (out.numel() * 2 / 2**30)
+    results[r] = growth
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    results = mp.Manager().dict()
+    mp.start_processes(rank, args=(int(sys.argv[1]), results), nprocs=2, start_method="fork")
+    print(json.dumps(dict(results)))
+"""
+
+
+@pytest.mark.multiprocess
+def test_gloo_gathers_through_a_buffer_of_the_whole_output():
+    """What the planner's CPU gathers stand on (memory.gathered_bytes): gloo's all-gather, into one tensor (ZeRO-3) or
+    into chunks (FSDP1), fills a buffer of the whole output and copies it out, so the output is held twice for a moment.
+    If torch's gloo gathers in place one day, this fails and the plan's CPU terms should follow."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    result = subprocess.run([sys.executable, "-c", GLOO_GATHER_PROBE, str(free_port())], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for growth in json.loads(result.stdout.strip().splitlines()[-1]).values():
+        assert growth["all_gather_into_tensor"] > 0.9 and growth["all_gather"] > 0.9, growth  # measured: 1.0
+
+
 # Runs in a process of its own with glibc's mmap threshold fixed from its start: in a process that has freed large
 # blocks into its heaps (the test session), glibc serves the tiles from them and RSS does not grow.
 LOSS_TILE_PROBE = r"""
