@@ -235,28 +235,39 @@ def _compile_on_first_call(compile_now):
     return compile_later
 
 
-# bitsandbytes passes about ten of its fallback kernels to torch.compile while it is imported
-# (backends/default/ops.py, `_try_torch_compile`), and torch.compile imports torch's inductor: 1.6 s of every process's
-# start on a 2 GHz CPU (`import train`: 9.8-10.3 s against 7.8-9.1 s, measured), for kernels that CPU runs with the
-# native library and GPU runs never call. peft and transformers import bitsandbytes whenever it is installed, so it is
-# imported here first, with the compilation deferred to each kernel's first call, where it happens as before.
-BITSANDBYTES_COMPILES_ON_FIRST_CALL = Patch(
+# Two libraries pass functions to torch.compile while they are imported, and torch.compile imports torch's inductor:
+# - bitsandbytes, about ten of its fallback kernels (backends/default/ops.py, `_try_torch_compile`): 1.6 s of every
+#   process's start on a 2 GHz CPU (`import train`: 9.8-10.3 s against 7.8-9.1 s, measured), for kernels that CPU runs
+#   with the native library and GPU runs never call. peft and transformers import bitsandbytes whenever it is
+#   installed, so it is imported here first.
+# - DeepSpeed, whose engine checks that the optimizer is one ZeRO supports (`runtime.zero.utils.
+#   is_zero_supported_optimizer`) and first imports its Muon optimizer to list it there; that module compiles three
+#   functions: 0.72 s of each DeepSpeed rank's start on an AVX512 CPU (measured), for an optimizer the recipe never
+#   builds. train.build_trainer imports it first in DeepSpeed runs.
+# Each is imported with the compilation deferred to each function's first call, where it happens as before.
+TORCH_COMPILES_ON_FIRST_CALL = Patch(
     "torch", "compile", _compile_on_first_call,
-    "bitsandbytes' import-time torch.compile calls deferred to first use (no inductor import at start)",
-    f"bitsandbytes {BITSANDBYTES_VERSION}")
+    "import-time torch.compile calls deferred to first use (no inductor import at start)",
+    f"bitsandbytes {BITSANDBYTES_VERSION}, deepspeed {DEEPSPEED_VERSION}")
+DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
-def import_bitsandbytes() -> None:
-    """Import bitsandbytes, if installed, with BITSANDBYTES_COMPILES_ON_FIRST_CALL applied for the import alone."""
+def import_compiling_later(module: str) -> None:
+    """Import `module`, if installed, with TORCH_COMPILES_ON_FIRST_CALL applied for the import alone."""
     import importlib.util
 
-    if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
+    if module in sys.modules:
         return
-    with BITSANDBYTES_COMPILES_ON_FIRST_CALL:
-        import bitsandbytes  # noqa: F401
+    try:
+        if importlib.util.find_spec(module) is None:
+            return
+    except ImportError:  # a parent package is missing
+        return
+    with TORCH_COMPILES_ON_FIRST_CALL:
+        importlib.import_module(module)
 
 
-import_bitsandbytes()  # on import: train.py imports this module before transformers and peft
+import_compiling_later("bitsandbytes")  # on import: train.py imports this module before transformers and peft
 
 
 def _models_scanned_once(define):

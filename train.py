@@ -256,6 +256,8 @@ def build_trainer(config: Configuration, model, data: TrainingData):
     os.environ.update(config.environment)  # read by the Accelerator the Trainer builds (torch.compile's settings)
     compat.TRL_SCORES_LABELLED_POSITIONS_ON_CPU.apply()  # the LM head at labelled positions only, on CPU too
     compat.ACCELERATE_ASKS_DEEPSPEED_ONLY_ONCE_IMPORTED.apply()  # no deepspeed import outside ZeRO-3 runs
+    if config.launch.deepspeed:  # without torch's inductor, which the engine's optimizer check imports
+        compat.import_compiling_later(compat.DEEPSPEED_MUON)
     if config.compile_each_layer:  # the first decoder layer's input then needs grad as every other layer's does: one
         # compiled graph serves them all (it had its own: 30 s more of compiling on a 2 GHz CPU, measured)
         model.enable_input_require_grads()

@@ -54,6 +54,7 @@ def main() -> None:
         report["adapter_saved_max_abs_difference"] = max(
             ((saved[key].float() - trained[key]).abs().max().item() for key in saved if key in trained), default=None)
     report["live_tensor_bytes"] = live_tensor_bytes()
+    report["inductor_imported"] = "torch._inductor.compile_fx" in sys.modules  # nothing compiles in these runs
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     torch.save(four_bit_layers(model), out / f"rank{rank}_4bit.pt")
     train.close_process_group()  # as `python train.py` ends

@@ -62,6 +62,19 @@ def test_bitsandbytes_compiles_its_kernels_when_it_is_imported():
     assert inspect.getsource(ops).count("@_try_torch_compile") >= 4
 
 
+def test_deepspeeds_optimizer_check_imports_its_muon_optimizer_which_compiles_when_imported():
+    """The deferral is worth keeping while DeepSpeed's engine imports its Muon optimizer to check the optimizer, and
+    that module decorates functions with torch.compile (through `runtime.compiler.compile()`, torch.compile itself)."""
+    from deepspeed.runtime import compiler
+    from deepspeed.runtime.zero import utils
+
+    assert f"from {compat.DEEPSPEED_MUON} import MuonWithAuxAdam" in inspect.getsource(
+        utils.is_zero_supported_optimizer)
+    assert "return torch.compile\n" in inspect.getsource(compiler.compile)
+    source = inspect.getsource(importlib.import_module("deepspeed.runtime.zero.muon.original_muon"))
+    assert source.count("@compiler.compile()") >= 3
+
+
 def test_a_deferred_compile_compiles_once_on_the_first_call_or_runs_the_function_as_written():
     calls = []
 
@@ -85,7 +98,8 @@ def test_a_deferred_compile_compiles_once_on_the_first_call_or_runs_the_function
 def test_the_recipe_starts_without_importing_torchs_inductor_or_deepspeed():
     """What the deferrals save: nothing the recipe imports loads the inductor, and accelerate's unwrapping of a model
     (patched) does not load deepspeed (a subprocess: this one may have both). And the libraries' objects are frozen
-    out of the collector once imported (train.py), which is on again."""
+    out of the collector once imported (train.py), which is on again. In a DeepSpeed run, what the engine's optimizer
+    check imports does not load the inductor either."""
     import subprocess
     import sys
 
@@ -95,9 +109,12 @@ def test_the_recipe_starts_without_importing_torchs_inductor_or_deepspeed():
              "compat.ACCELERATE_ASKS_DEEPSPEED_ONLY_ONCE_IMPORTED.apply(); "
              "extract_model_from_parallel(torch.nn.Linear(2, 2)); "
              "print(sorted(m for m in sys.modules if m.startswith(('torch._inductor.compile_fx', 'deepspeed'))),"
-             " gc.get_freeze_count() > 10**5, gc.isenabled())")
+             " gc.get_freeze_count() > 10**5, gc.isenabled()); "
+             f"compat.import_compiling_later(compat.DEEPSPEED_MUON); from {compat.DEEPSPEED_MUON} import "
+             "MuonWithAuxAdam; print(MuonWithAuxAdam.__name__, 'torch._inductor.compile_fx' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_DIR, capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[] True True", result.stdout
+    lines = result.stdout.strip().splitlines()  # deepspeed logs to stdout between the two
+    assert (lines[0], lines[-1]) == ("[] True True", "MuonWithAuxAdam False"), result.stdout
 
 
 def test_accelerate_imports_deepspeed_only_to_recognise_its_engine():
