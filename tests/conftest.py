@@ -31,12 +31,41 @@ def tiny_run_args(model_dir, data_dir, out, *extra) -> list[str]:
 
 
 def free_port() -> int:
-    """A port nothing listens on now (the launches of several machines must agree on one; port 0 would not do)."""
+    """A port nothing listens on now, below the kernel's ephemeral range: every connection and every `bind` to port 0
+    (gloo's pairs, the stores of launches with --main_process_port 0) takes its port from that range, so a port chosen
+    there could be taken by another test's run before the launch binds it, and the other machine would then wait out
+    the static rendezvous (600 s)."""
+    import random
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for port in random.sample(range(low // 2, low), 100):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low // 2}..{low - 1}")
+
+
+def end_together(processes, timeout: float) -> list[int]:
+    """Wait for every process; the first to fail, or the timeout, kills the others and everything under them, as
+    `srun --kill-on-bad-exit` does: a machine whose partner failed before the rendezvous would otherwise wait out its
+    timeout (600 s) without a word. Returns the exit codes."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (any(process.poll() is None for process in processes) and not any(process.returncode for process in processes)
+           and time.monotonic() < deadline):
+        time.sleep(0.1)
+    for process in processes:
+        if process.poll() is None:
+            signal_tree(process.pid, signal.SIGKILL)
+            process.wait()
+    return [process.returncode for process in processes]
 
 
 def node_launch(config, machine_rank: int, port: int, mixed_precision="no") -> list[str]:
@@ -68,10 +97,11 @@ def launch_two_processes(script, args, config="configs/fsdp2_config.yaml", mixed
     logs = [tempfile.TemporaryFile("w+") for _ in commands]  # files, not pipes: no machine waits on an unread pipe
     launches = [subprocess.Popen([*command, str(script), *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                  text=True, env=env) for command, log in zip(commands, logs)]
-    for launch, log in zip(launches, logs):
-        launch.wait(timeout=600)
+    codes = end_together(launches, timeout=600)
+    for log in logs:
         log.seek(0)
-        assert launch.returncode == 0, log.read()[-6000:]
+    assert codes == [0] * len(launches), "\n".join(f"launch {index}, exit {code}:\n{log.read()[-6000:]}"
+                                                   for index, (code, log) in enumerate(zip(codes, logs)))
 
 
 def signal_tree(pid: int, signum: int) -> None:
@@ -79,8 +109,12 @@ def signal_tree(pid: int, signum: int) -> None:
     torchrun starts each worker in a session of its own, out of reach of a signal to the launcher's process group."""
     import psutil
 
-    tree = psutil.Process(pid)
-    for member in [tree, *tree.children(recursive=True)]:
+    try:
+        tree = psutil.Process(pid)
+        members = [tree, *tree.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for member in members:
         try:
             member.send_signal(signum)
         except psutil.NoSuchProcess:

@@ -1,7 +1,7 @@
 """Preflight: one test per rule, with a configuration that triggers it and one that does not."""
 
 import pytest
-from conftest import settled
+from conftest import free_port, settled
 
 import checks
 from checks import preflight
@@ -217,18 +217,14 @@ def test_check_passes_in_a_zero3_launch_environment(tiny_model_dir, tmp_path, co
     check settles (with the plan's decision) and passes on CPU, where the recipe keeps DeepSpeed, instead of dying
     with "Cannot copy out of meta tensor"."""
     import os
-    import socket
     import subprocess
     import sys
 
     qlora = ["--use_4bit_quantization", "true"] if "qlora" in config else []
     launched = launch_environment(["--config_file", f"configs/{config}", "--num_processes", "1", "--mixed_precision",
                                    "no", "train.py"])
-    with socket.socket() as free:  # a port for the one-process group the training arguments start
-        free.bind(("127.0.0.1", 0))
-        port = str(free.getsockname()[1])
     env = {**os.environ, **launched, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": port}
+           "MASTER_PORT": str(free_port())}  # for the one-process group the training arguments start
     result = subprocess.run([sys.executable, "train.py", "--check", "--model_name_or_path", str(tiny_model_dir),
                              "--output_dir", str(tmp_path), *qlora],
                             cwd=REPO_DIR, capture_output=True, text=True, timeout=300, env=env)

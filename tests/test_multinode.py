@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, node_launch, signal_tree, tiny_run_args
+from conftest import end_together, free_port, node_launch, signal_tree, tiny_run_args
 from safetensors.torch import load_file
 from test_reliability import losses, recipe, straight_run
 
@@ -128,17 +128,24 @@ def test_a_taken_port_stops_the_launch_script_at_once(tiny_model_dir, chat_dir, 
     assert "Traceback" not in machine.output and not (tmp_path / "out").exists()
 
 
-SRUN = """#!/usr/bin/env bash
-# srun --kill-on-bad-exit=1 CMD...: the command once per node, concurrently, with the variables SLURM sets for a task
-while [[ $1 == --* ]]; do shift; done
-pids=()
-for node in 0 1; do
-  SLURM_NODEID=$node SLURM_PROCID=$node SLURM_NNODES=2 "$@" > "$SRUN_LOGS/node$node.log" 2>&1 &
-  pids+=($!)
-done
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-exit $status
+SRUN = f"""#!{sys.executable}
+# srun --kill-on-bad-exit=1 CMD...: the command once per node, concurrently, with the variables SLURM sets for a task;
+# the first task to fail ends the others, as that flag does
+import os, subprocess, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import end_together
+
+command = sys.argv[1:]
+while command[0].startswith("--"):
+    command.pop(0)
+def task(node):
+    variables = {{"SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_NNODES": "2"}}
+    log = open(os.path.join(os.environ["SRUN_LOGS"], f"node{{node}}.log"), "w")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={{**os.environ, **variables}})
+
+
+codes = end_together([task(0), task(1)], timeout=300)
+sys.exit(next((code for code in codes if code), 0))
 """
 
 
@@ -218,7 +225,8 @@ def test_a_killed_machine_stops_the_other_and_a_preempted_one_stops_both_then_tw
                                                                                      "rng_state_1.pth"}
 
     machines = two_machines(resumed, tmp_path / "finished")
-    assert [machine.wait() for machine in machines] == [0, 0], machines[0].output[-3000:]
+    codes = end_together([machine.process for machine in machines], timeout=300)
+    assert codes == [0, 0], [machine.output[-3000:] for machine in machines]
     assert f"resuming from {out / f'checkpoint-{step}'}" in machines[0].output
     straight, final = losses(straight_out), losses(out)
     after = [s for s in straight if s > step]
