@@ -1,7 +1,7 @@
 """Runs train.py's recipe in each process of a launch, then records what the tests (and bench/gpu_check.py, one process
 per shipped config on a GPU) check: how the model was sharded, the loss history, the logits of the trained sharded model
 and the dtypes its buffers computed in, how far its final save is from the weights it holds, and its 4-bit layers. Not a
-copy of the recipe: `train.run`, then `train.close_process_group`, as `python train.py` does. Works under every engine
+copy of the recipe: `train.run`, then `train.finish`, as `python train.py` does. Works under every engine
 the launchers use: FSDP1, FSDP2, DeepSpeed ZeRO-3."""
 
 import json
@@ -12,16 +12,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import train  # noqa: E402  (before any library, as `python train.py` starts: train.leave_if_finished runs last at exit)
+
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-import train  # noqa: E402
 from conftest import PROBE  # noqa: E402
 
 
 def main() -> None:
+    report_file, report = record()  # the trained model is left behind with record's frame, as with train.run's
+    train.finish()  # as `python train.py` ends
+    report["gloo_threads_after_finish"] = gloo_threads()
+    report_file.write_text(json.dumps(report))
+
+
+def record() -> tuple[Path, dict]:
     reached = record_routing()
     trainer, _ = train.run(sys.argv[1:])
     model, rank = trainer.model, int(os.environ["RANK"])  # ZeRO-3: the module inside DeepSpeed's engine
@@ -55,9 +63,14 @@ def main() -> None:
             ((saved[key].float() - trained[key]).abs().max().item() for key in saved if key in trained), default=None)
     report["live_tensor_bytes"] = live_tensor_bytes()
     report["inductor_imported"] = "torch._inductor.compile_fx" in sys.modules  # nothing compiles in these runs
-    (out / f"rank{rank}.json").write_text(json.dumps(report))
     torch.save(four_bit_layers(model), out / f"rank{rank}_4bit.pt")
-    train.close_process_group()  # as `python train.py` ends
+    return out / f"rank{rank}.json", report
+
+
+def gloo_threads() -> int:
+    """Threads of gloo's process groups still running in this process (Linux names them)."""
+    names = [(task / "comm").read_text() for task in Path("/proc/self/task").iterdir()]
+    return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
 
 
 def live_tensor_bytes() -> int:

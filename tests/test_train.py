@@ -2,6 +2,8 @@
 `--torch_compile`, the default run."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from transformers import AutoModelForCausalLM
 import checks
 import train
 from configuration import configure
+from model_files import REPO_DIR
 
 # The tiny fp32 LoRA run (tiny_run_args on the first 64 demo conversations, 6 steps, seed 42), recorded on 2026-12-01
 # (AMD EPYC, AVX2, torch 2.13.0 CPU). A change in the data, the masks, the loss or the optimizer moves them by far more
@@ -253,18 +256,51 @@ def test_remote_code_runs_only_when_asked(tiny_model_dir, monkeypatch):
 
 
 def test_the_command_closes_its_process_group_before_python_exits(tmp_path, monkeypatch):
-    """`python train.py` destroys the process group after a run that ended well (train.close_process_group: left to
-    the interpreter's exit, gloo's threads can abort a finished run). A one-process gloo group stands in for a
-    launch's; the run itself is replaced, as only the order matters here."""
+    """`python train.py` destroys the process group after a run that ended well (train.finish), never after a failure.
+    A one-process gloo group stands in for a launch's; the run itself is replaced, as only the order matters here."""
     import torch.distributed as dist
 
     ran = []
     monkeypatch.setattr(train, "run", lambda argv: ran.append(dist.is_initialized()))
+    monkeypatch.setattr(train, "AT_EXIT", {"skip_teardown": False})  # this test process keeps its teardown
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         train.main([])
-        assert ran == [True] and not dist.is_initialized()
+        assert ran == [True] and not dist.is_initialized() and train.AT_EXIT["skip_teardown"]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+ENDING = """
+import atexit, os, sys, threading, time
+sys.path.insert(0, {repo!r})
+import train
+import torch.distributed as dist
+
+class Teardown:
+    def __del__(self, write=os.write):  # bound now: the teardown empties the module first
+        write(1, b" torn down")
+
+kept = Teardown()  # freed by the interpreter's teardown
+atexit.register(print, " exit handler", flush=True)  # registered after train's, as every library's is
+threading.Thread(target=lambda: (time.sleep(0.5), print(" thread", end=""))).start()
+if {group}:
+    dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+train.run = lambda argv: print("ran", end="")  # unflushed, as a run's last words may be
+train.main([])
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("group", [True, False], ids=["process-group", "one-process"])
+def test_a_finished_rank_leaves_without_the_interpreters_teardown_and_loses_nothing(tmp_path, group):
+    """Left to the interpreter's teardown, gloo's threads can abort a rank that trained and saved (train.finish): a
+    process that had a group leaves once Python has joined its threads and run every exit handler, with its output;
+    a one-process run, which has no group, keeps the teardown."""
+    script = ENDING.format(repo=str(REPO_DIR), group=group, store=tmp_path / "store")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ran thread exit handler")
+    assert ("torn down" in result.stdout) is not group, result.stdout
 
