@@ -43,7 +43,11 @@ class Machine:
         return self.log.read_text()
 
     def wait(self, timeout=300) -> int:
-        self.process.wait(timeout=timeout)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.signal_every_process(signal.SIGKILL)
+            raise AssertionError(f"still running after {timeout} s:\n{self.output[-4000:]}") from None
         return self.process.returncode
 
     def signal_every_process(self, signum) -> None:
