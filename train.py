@@ -56,6 +56,10 @@ gc.enable()
 def run(argv: list[str]):
     """The whole recipe; returns the trainer and a summary of the run (None and {} with --check)."""
     started = time.time()
+    # First: building the memory plan's meta model allocates each weight on the CPU before moving it to meta
+    # (accelerate's init_empty_weights), and with glibc's rising threshold those went to the heap, which kept them
+    # as ~0.7 GiB of free space the weights were later carved from and held in, past what the run held.
+    return_freed_memory()
     try:
         request = parse_arguments(argv)
         config = settle(request, gather(request))
@@ -69,7 +73,6 @@ def run(argv: list[str]):
         return finish_check(config), {}
 
     set_seed(config.training.seed)
-    return_freed_memory()  # before the weights: host RAM then follows what the plan counts
     data = load_data(config)
     peaks = PhasePeaks()  # loading: read (from_pretrained), wrap (PEFT, Trainer), shard (until the engine placed it)
     peaks.start("read")

@@ -109,6 +109,27 @@ def test_fsdp2_units_are_accelerates():
     assert "split_with_sizes_copy" in inspect.getsource(_fsdp_collectives.foreach_all_gather_copy_out)
 
 
+def test_fsdp2_loading_sends_a_tied_embedding_twice_and_holds_both_slices_until_it_ties_them_again():
+    """accelerate's fsdp2_load_full_state_dict walks model.state_dict(), which names a tied embedding as the embedding
+    and as the head: every rank receives it twice and keeps two slices until fsdp2_prepare_model ties the weights again
+    (measured on 2 CPU processes: 0.12 GiB more on each rank of bench/memory_grid.py's 20-layer model). Fails when
+    accelerate changes either step (the plan must then follow)."""
+    from accelerate.utils import fsdp_utils
+
+    assert "meta_sharded_sd = model.state_dict()" in inspect.getsource(fsdp_utils.fsdp2_load_full_state_dict)
+    prepare = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    assert prepare.index("fsdp2_load_full_state_dict(") < prepare.rindex("model.tie_weights()")
+    for name, gpus, device in (("gemma-2-9b", 8, "cuda"), ("gemma-2-9b", 2, "cpu"), ("Meta-Llama-3-8B", 2, "cpu")):
+        shapes = Shapes.of(load_config(f"{REPO}/configs/models/{name}"))
+        run = Run(method="lora", engine="fsdp", gpus=gpus, device=device, fsdp_version=2)
+        loads = [plan(s, run).phases["load"] for s in (shapes, replace(shapes, tied_embedding=0))]
+        slice_gib = shapes.tied_embedding * 2 / gpus / GIB  # bf16
+        assert (shapes.tied_embedding > 0) is (name == "gemma-2-9b")
+        places = ["gpu"] if device == "cuda" else ["host rank 0", "host other rank"]
+        for place in places:
+            assert loads[0][place] - loads[1][place] == pytest.approx(slice_gib)
+
+
 def test_fsdp2_gathers_the_tail_at_the_loss_and_twice_for_a_moment():
     """Llama-3-8B (untied) and Gemma-2-9B (tied), LoRA on 8 GPUs: FSDP1 keeps its whole root unit (embedding, head)
     gathered; under FSDP2 the untied embedding is not gathered at the loss, while a tied vocabulary of 256k is the tail
