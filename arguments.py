@@ -82,7 +82,9 @@ class ModelArguments:
                   "FSDP and ZeRO-3 shard them; the rest of the model is then loaded in it too.",
                   "choices": QUANT_STORAGE_DTYPES},
     )
-    use_flash_attn: bool = field(default=False, metadata={"help": "flash_attention_2 (CUDA, flash-attn installed)."})
+    use_flash_attn: bool = field(default=False, metadata={
+        "help": "A flash kernel for packed rows (CUDA): one FlashAttention-2 varlen kernel per row, flash-attn's where "
+                "installed, else the one torch ships; FlexAttention for softcapping and sinks (Gemma-2, gpt-oss)."})
     use_reentrant: bool = field(
         default=True,
         metadata={"help": "Reentrant activation checkpointing: true for single GPU, FSDP-QLoRA and ZeRO-3; false "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from configuration import Configuration, hub_offline, memory_plan, planned_need
+from fast_paths import KERNEL_ATTENTION
 from checkpoints import COMPLETE, damage, latest_intact
 from model_files import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
 
@@ -105,11 +106,6 @@ def dataset_source(s: Configuration) -> Problem | None:
 # Hardware
 
 
-def has_attention_sinks(model) -> bool:
-    """gpt-oss's learned per-head sink logits (`sinks` parameters beside its attention)."""
-    return any(name.endswith(".sinks") for name, _ in model.named_parameters())
-
-
 def mxfp4_checkpoint(s: Configuration) -> Problem | None:
     """gpt-oss ships its experts in MXFP4 (blocks and scales): the recipe trains 16-bit weights, and quantizes them
     to NF4 itself under QLoRA."""
@@ -130,16 +126,17 @@ def mxfp4_checkpoint(s: Configuration) -> Problem | None:
 def flash_attention(s: Configuration) -> Problem | None:
     if not s.model.use_flash_attn or not s.facts.here:
         return None
-    if s.facts.model_config is not None and has_attention_sinks(s.facts.meta_model):
-        return Problem("error", "--use_flash_attn on a model with attention sinks (gpt-oss)", "flash-attn 2 has no "
-                       "sinks, and transformers 5 leaves them out without a word: the model would train on attention "
-                       "it was not built with", "drop the flag: the recipe's eager_varlen computes the sinks")
     if not s.facts.cuda:
-        return Problem("error", "--use_flash_attn without a CUDA GPU", "flash-attn runs on CUDA only",
-                       "drop the flag (sdpa is used)")
-    if not s.facts.flash_attn:
-        return Problem("error", "--use_flash_attn but flash-attn is not installed", "attention would fail to load",
-                       "`pip install -r requirements-gpu.txt`, or drop the flag (sdpa is used)")
+        return Problem("error", "--use_flash_attn without a CUDA GPU", "the FlashAttention kernels (flash-attn's and "
+                       "torch's) and FlexAttention's backward run on CUDA only",
+                       "drop the flag: attention runs once per packed example with sdpa")
+    if s.attention == KERNEL_ATTENTION and not (s.facts.flash_attn or s.facts.torch_varlen):
+        from fast_paths import torch_varlen_attn
+
+        return Problem("error", "--use_flash_attn but no FlashAttention varlen kernel here",
+                       f"{torch_varlen_attn()[1]}, and flash-attn is not installed",
+                       "install the pinned torch (2.13 ships the kernel), or drop the flag (sdpa runs once per packed "
+                       "example)")
     return None
 
 

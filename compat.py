@@ -89,6 +89,29 @@ TRL_SCORES_LABELLED_POSITIONS_ON_CPU = Patch(
     "TRL's fused LM head scores the labelled positions only on Triton devices; CPU runs do the same",
     f"trl {TRL_VERSION}")
 
+def _packed_rows_unmasked(preprocess):
+    @functools.wraps(preprocess)
+    def preprocess_unless_packed(config, inputs_embeds, attention_mask, past_key_values, position_ids, *args,
+                                 **kwargs):
+        from fast_paths import PACKED_ATTENTIONS, rows_in_flight
+
+        if (config._attn_implementation in PACKED_ATTENTIONS and attention_mask is None and past_key_values is None
+                and position_ids is not None and inputs_embeds.shape[0] == 1 and rows_in_flight(inputs_embeds.shape[1]) is not None):
+            return True, None, None, None, None, None, None  # early exit: no mask
+        return preprocess(config, inputs_embeds, attention_mask, past_key_values, position_ids, *args, **kwargs)
+    return preprocess_unless_packed
+
+
+# transformers 5.23 builds a (tokens x tokens) block-diagonal mask for every packed row, after finding the row's
+# examples from position_ids with a host read (`(packed_sequence_mask[:, -1] == 0).all()`, a wait for the GPU each
+# forward). The recipe's packed attentions never read that mask: each computes its examples from the boundaries. While
+# the trainer has a packed row in flight (fast_paths.packed_rows), mask preparation for it stops early, as it does for
+# an implementation with no mask function.
+TRANSFORMERS_SKIPS_PACKED_ROW_MASKS = Patch(
+    "transformers.masking_utils", "_preprocess_mask_arguments", _packed_rows_unmasked,
+    "no block-diagonal mask (and no host read) for packed rows the recipe's attention splits itself",
+    f"transformers {TRANSFORMERS_VERSION}")
+
 # torch refuses FSDP1's sync_module_states for CPU tensors (NCCL cannot send host memory); gloo can, and the recipe's
 # CPU engine (trainers.cpu_fsdp_plugin) broadcasts rank 0's weights with it.
 TORCH_FSDP1_SYNCS_CPU_TENSORS = Patch(

@@ -21,8 +21,9 @@ import torch
 
 from arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, ModelArguments, Request,
                        parse_arguments)
-from fast_paths import ATTENTION, EAGER_ATTENTION, attention_for, compile_settings
-from hardware import is_flash_attn_installed, native_bf16_supported
+from fast_paths import (ATTENTION, EAGER_ATTENTION, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for,
+                        compile_settings)
+from hardware import has_torch_varlen_attn, is_flash_attn_installed, native_bf16_supported
 from launch import Launch, launch_environment
 from memory import GIB
 from model_files import DEFAULT_MODEL_DIR, convert_default_model, gguf_source, hub_id_of
@@ -49,6 +50,7 @@ class Facts:
     cuda: bool = False  # the run's GPUs have CUDA
     native_bf16: bool = False  # bf16 matmuls run natively (hardware.native_bf16_supported; RECIPE_NATIVE_BF16 overrides)
     flash_attn: bool = False  # the flash-attn package is installed
+    torch_varlen: bool = False  # the running torch ships FlashAttention-2's varlen kernel (fast_paths.torch_varlen_attn)
     gpu_gib: float | None = None  # memory of each GPU: this machine's, or --gpu_gib
     host_gib: float | None = None  # host RAM available when the run starts
     threads: int = 1  # torch's intra-op threads
@@ -121,6 +123,7 @@ def gather(request: Request) -> Facts:
     except ValueError as err:  # a RECIPE_NATIVE_BF16 value it does not know
         raise ConfigError(str(err)) from None
     facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16, flash_attn=is_flash_attn_installed(),
+                  torch_varlen=has_torch_varlen_attn(),
                   gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
                   model_config=read_model_config(model.model_name_or_path, trust, token))
     folder = Path(model.model_name_or_path)
@@ -288,8 +291,30 @@ def decide_base_model_id(config: Configuration) -> None:
 
 
 def decide_attention(config: Configuration) -> None:
-    config.attention, why = (("flash_attention_2", "--use_flash_attn") if config.model.use_flash_attn
-                             else attention_for(config.facts.model_config))
+    """The per-example loop by default; with --use_flash_attn ("a flash kernel"), one kernel per packed row: the
+    FlashAttention-2 varlen kernel (flash-attn's, else torch's), or FlexAttention where the family computes what that
+    kernel cannot. The kernel becomes the CUDA default once the GPU check has shown it equal to the loop there."""
+    facts = config.facts
+    per_example, why = attention_for(facts.model_config)
+    text = facts.model_config.get_text_config() if facts.model_config is not None else None
+    dropout = getattr(text, "attention_dropout", 0.0) or 0.0
+    if not config.model.use_flash_attn:
+        config.attention = per_example
+        if facts.cuda:
+            why += ("; one kernel per packed row is opt-in (--use_flash_attn true) until the GPU check has shown it "
+                    "equal to this loop on a GPU")
+    elif dropout > 0:
+        config.attention, why = per_example, (f"--use_flash_attn, but the model's attention dropout ({dropout}) is "
+                                              "computed by neither the varlen kernel nor FlexAttention: " + why)
+    elif per_example == EAGER_ATTENTION:
+        config.attention, why = FLEX_ATTENTION, ("--use_flash_attn: the family computes logit softcapping or "
+                                                 "attention sinks, which the FlashAttention kernel cannot; one "
+                                                 "FlexAttention call per packed row computes them (fast_paths.py)")
+    else:
+        kernel = ("flash-attn's" if facts.flash_attn else "torch's own varlen_attn (flash-attn is not installed)"
+                  if facts.torch_varlen or not facts.here else "none available (see preflight)")
+        config.attention, why = KERNEL_ATTENTION, ("--use_flash_attn: one FlashAttention-2 varlen kernel per packed "
+                                                   f"row, {kernel}; no boundary read back from the GPU")
     config.decisions.append(Decision("attention", config.attention, why))
 
 

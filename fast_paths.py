@@ -1,11 +1,20 @@
 """Waste the recipe removes from each training step, each kept because bench/benchmark.py measured it.
 
-- Attention per packed example (`sdpa_varlen`). Padding-free batches (the recipe's default, and bfd packing) flatten
-  a batch into one row and mark where each example starts with `cu_seq_lens_q`. Plain sdpa then builds a
-  block-diagonal mask over the whole row and computes every score of it: a 1024-token row of 60-token examples costs
-  1024 x 1024 scores for 16 x 60 x 60 useful ones. FlashAttention's varlen kernel skips them on CUDA; this does the
-  same with sdpa everywhere else (CPU, GPUs without flash-attn) by running causal sdpa once per example. Batches
-  without `cu_seq_lens_q` (padded eval batches, generation) go to plain sdpa, with sdpa's own mask.
+- Attention within each packed example. Padding-free batches (the recipe's default, and bfd packing) flatten a batch
+  into one row and mark where each example starts with `cu_seq_lens_q`. Plain sdpa then builds a block-diagonal mask
+  over the whole row and computes every score of it: a 1024-token row of 60-token examples costs 1024 x 1024 scores
+  for 16 x 60 x 60 useful ones. Four ways skip them, each registered as an attention implementation:
+  - `sdpa_varlen`: causal sdpa once per example (CPU, where bench/benchmark.py measured it fastest; the CUDA default
+    until the GPU check has shown the kernel equal to it there);
+  - `eager_varlen`: the same loop through the family's own eager attention (Gemma-2's softcapping, gpt-oss's sinks);
+  - `kernel_varlen`: one FlashAttention-2 varlen kernel for the whole row (CUDA): flash-attn's where that package is
+    installed, else the one torch ships (`torch.nn.attention.varlen.varlen_attn`);
+  - `flex_varlen`: one FlexAttention call with a per-example block mask, for what the kernel cannot compute
+    (softcapping, sinks).
+  Batches without `cu_seq_lens_q` (padded eval batches, generation) go to plain sdpa, with sdpa's own mask.
+- No host read of the boundaries in a step. The collator knows each example's length on the host; the recipe's
+  trainer keeps them beside the batch (`WithExampleLengths`, `packed_rows`) so neither the attention in every layer
+  nor transformers' mask preparation reads them back from the GPU (each read waits for the GPU to catch up).
 - LM head only where the loss is. TRL's fused LM head projects just the positions that have a label on Triton
   devices, and every position elsewhere (fixed shapes for graph compilers); in eager mode on CPU the fixed shape
   buys nothing, and a chat example supervises only its answers.
@@ -13,9 +22,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from collections.abc import Mapping
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +35,12 @@ ATTENTION = "sdpa_varlen"
 # The same function under a name without "sdpa" in it: transformers refuses any "*sdpa*" implementation for the
 # families that declare `_supports_sdpa = False` (Gemma-2: softcapping; gpt-oss: sinks), which this one computes
 EAGER_ATTENTION = "eager_varlen"
+KERNEL_ATTENTION = "kernel_varlen"  # one FlashAttention-2 varlen kernel per packed row (CUDA)
+FLEX_ATTENTION = "flex_varlen"  # one FlexAttention call per packed row: softcapping and sinks too
+# Names without "sdpa", "flash" or "flex_attention" in them: transformers runs its own dispatch checks and mask
+# shortcuts for any implementation whose name holds one of those
+PACKED_ATTENTIONS = (ATTENTION, EAGER_ATTENTION, KERNEL_ATTENTION, FLEX_ATTENTION)
+EXAMPLE_LENGTHS = "example_lengths"  # the batch key WithExampleLengths adds: each example's length, on the host
 # torch 2.13's CPU flash-attention backward is 1.5-3x slower in bf16 than in fp32 for sequences up to about 512 tokens
 # and faster beyond (measured on AVX512-BF16, 9 heads of 64); fp32 is also the more accurate of the two.
 CPU_FP32_ATTENTION_UP_TO = 512
@@ -70,8 +88,7 @@ def sdpa_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     eager = softcap is not None or s_aux is not None
     # One flattened row of causal self-attention (TRL gives keys the same boundaries); anything else keeps the
     # attention mask transformers built for it (sdpa_mask: padding, causality and sliding windows)
-    packed = cu_seq_lens_q is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2]
-    if not packed or not getattr(module, "is_causal", True):
+    if not is_packed_row(query, key, cu_seq_lens_q, module):
         if not eager:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, sliding_window=sliding_window, **kwargs)
@@ -83,7 +100,7 @@ def sdpa_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
                                               scaling=scaling, sliding_window=sliding_window, softcap=softcap,
                                               s_aux=s_aux, **kwargs)
     dtype = query.dtype
-    lengths = cu_seq_lens_q.diff().tolist()
+    lengths = example_lengths(query.shape[2], cu_seq_lens_q)
     # Short examples run in fp32 on CPU, outside autocast (which would cast them straight back to bf16)
     fp32 = query.device.type == "cpu" and query.dtype != torch.float32 and max(lengths) <= CPU_FP32_ATTENTION_UP_TO
     if fp32:
@@ -108,14 +125,212 @@ def sdpa_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     return torch.cat(outputs, dim=2).to(dtype).transpose(1, 2).contiguous(), None
 
 
+@dataclass
+class PackedRows:
+    """The packed row in flight: each example's length, read on the host when the batch was collated."""
+
+    lengths: tuple[int, ...]
+    block_masks: dict = field(default_factory=dict)  # flex_varlen's, built once per row and window for every layer
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+
+# Process-wide, not a ContextVar: on CUDA the backward (and the recomputation of checkpointed layers in it) runs in
+# autograd's device thread, which sees no context variable of the thread that started it
+_in_flight: list[PackedRows | None] = [None]
+
+
+class WithExampleLengths:
+    """TRL's padding-free collator, adding each example's length as a tuple of ints (`EXAMPLE_LENGTHS`): the
+    boundaries are on the host here, and stay there when the batch moves to the GPU."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __getattr__(self, name):  # TRL and the Trainer read the collator's settings (padding_free, ...)
+        if name == "collator":  # unpickling (dataloader workers): not set yet
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        bounds = batch.get("cu_seq_lens_q")
+        if bounds is not None and bounds.device.type == "cpu":
+            batch[EXAMPLE_LENGTHS] = tuple(bounds.diff().tolist())
+        return batch
+
+
+@contextmanager
+def packed_rows(batch: Mapping):
+    """While a step runs on `batch` (forward, and the backward's recomputation under activation checkpointing): its
+    example lengths, taken out of the batch so the model never sees them."""
+    lengths = batch.pop(EXAMPLE_LENGTHS, None) if isinstance(batch, dict) else None
+    outer, _in_flight[0] = _in_flight[0], PackedRows(tuple(lengths)) if lengths else None
+    try:
+        yield
+    finally:
+        _in_flight[0] = outer
+
+
+def rows_in_flight(tokens: int) -> PackedRows | None:
+    """The packed row in flight, if its examples cover `tokens` (else the call is not for that row)."""
+    rows = _in_flight[0]
+    return rows if rows is not None and rows.total == tokens else None
+
+
+def example_lengths(tokens: int, cu_seq_lens: torch.Tensor) -> list[int]:
+    """Each example's length in a packed row of `tokens`: from the host when the trainer passed them, else read
+    from `cu_seq_lens` (a wait for the GPU when it is there)."""
+    rows = rows_in_flight(tokens)
+    if rows is not None and len(rows.lengths) + 1 == cu_seq_lens.shape[0]:
+        return list(rows.lengths)
+    return cu_seq_lens.diff().tolist()
+
+
+def is_packed_row(query: torch.Tensor, key: torch.Tensor, cu_seq_lens_q, module) -> bool:
+    """One flattened row of causal self-attention with its boundaries (TRL gives keys the same ones)."""
+    return (cu_seq_lens_q is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2]
+            and getattr(module, "is_causal", True))
+
+
+def torch_varlen_attn():
+    """torch's FlashAttention-2 varlen kernel, `(varlen_attn, None)`, where the running torch has it with causal windows
+    and grouped heads (torch 2.13 does; a GPU machine's torch may be older), else `(None, why not)`."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    missing = {"window_size", "enable_gqa"} - set(inspect.signature(varlen_attn).parameters)
+    if missing:
+        return None, f"torch {torch.__version__}'s varlen_attn has no {' or '.join(sorted(missing))} (torch 2.13 has)"
+    return varlen_attn, None
+
+
+@functools.cache
+def varlen_kernel():
+    """The varlen kernel kernel_varlen runs, as `(function, source)`: flash-attn's where it is installed, else torch's.
+    Both run on CUDA only."""
+    from hardware import is_flash_attn_installed
+
+    if is_flash_attn_installed():
+        from flash_attn import flash_attn_varlen_func
+
+        def flash_attn_kernel(q, k, v, bounds, longest, scale, window):
+            return flash_attn_varlen_func(q, k, v, bounds, bounds, longest, longest, softmax_scale=scale, causal=True,
+                                          window_size=window)
+        return flash_attn_kernel, "flash-attn's flash_attn_varlen_func"
+    varlen_attn, why_not = torch_varlen_attn()
+    if varlen_attn is None:
+        return None, why_not + " and flash-attn is not installed"
+
+    def torch_kernel(q, k, v, bounds, longest, scale, window):
+        return varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scale, window_size=window,
+                           enable_gqa=q.shape[1] != k.shape[1])
+    return torch_kernel, f"torch {torch.__version__}'s varlen_attn"
+
+
+def kernel_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
+                          sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """One varlen kernel for a packed row: query (1, heads, tokens, dim) -> (1, tokens, heads, dim). The longest
+    example comes from the collator (`max_length_q`, an int on the host): nothing is read back from the GPU."""
+    if not is_packed_row(query, key, cu_seq_lens_q, module):
+        return sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   cu_seq_lens_q=cu_seq_lens_q, sliding_window=sliding_window, **kwargs)
+    if dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError(f"{KERNEL_ATTENTION} computes no attention dropout, softcapping or sinks; "
+                         f"configuration.decide_attention picks {FLEX_ATTENTION} or the per-example loop for them")
+    kernel, why = varlen_kernel() if query.is_cuda else (None, "the FlashAttention kernels run on CUDA only")
+    if kernel is None:
+        raise RuntimeError(f"{KERNEL_ATTENTION}: {why}")
+    if max_length_q is None:
+        max_length_q = max(example_lengths(query.shape[2], cu_seq_lens_q))
+    # transformers' window admits keys with q - k < window: (window - 1) to the left, none to the right
+    window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (tokens, heads, dim)
+    out = kernel(q, k, v, cu_seq_lens_q.to(torch.int32), max_length_q, scaling, window)
+    return out[None], None
+
+
+def document_ids(bounds: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each token's example index in a packed row, on the boundaries' device (no host read)."""
+    return torch.searchsorted(bounds[1:].contiguous(), torch.arange(tokens, dtype=bounds.dtype, device=bounds.device),
+                              right=True)
+
+
+def packed_block_mask(bounds: torch.Tensor, tokens: int, sliding_window: int | None):
+    """FlexAttention's block mask of a packed row: causal within each example, inside the sliding window."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    documents = document_ids(bounds, tokens)
+
+    def within_example(batch, head, q, k):
+        allowed = (documents[q] == documents[k]) & (k <= q)
+        return allowed if sliding_window is None else allowed & (q - k < sliding_window)
+
+    return create_block_mask(within_example, None, None, tokens, tokens, device=bounds.device)
+
+
+@functools.cache
+def flex_attention_function(device_type: str):
+    """torch's flex_attention: compiled on CUDA (eager it materializes every score), as it is elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
+def flex_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        cu_seq_lens_q: torch.Tensor | None = None, sliding_window: int | None = None,
+                        softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """One FlexAttention call for a packed row, with the family's softcapping (Gemma-2) and sinks (gpt-oss): a sink
+    adds exp(sink) to each row's softmax denominator, so the output scales by sigmoid(lse - sink)."""
+    if not is_packed_row(query, key, cu_seq_lens_q, module):
+        return sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   cu_seq_lens_q=cu_seq_lens_q, sliding_window=sliding_window, softcap=softcap,
+                                   s_aux=s_aux, **kwargs)
+    if dropout:
+        raise ValueError(f"{FLEX_ATTENTION} computes no attention dropout; configuration.decide_attention keeps the "
+                         "per-example loop for it")
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    tokens = query.shape[2]
+    rows = rows_in_flight(tokens)
+    masks = rows.block_masks if rows is not None else {}
+    if (sliding_window, query.device) not in masks:
+        masks[sliding_window, query.device] = packed_block_mask(cu_seq_lens_q.to(torch.int32), tokens, sliding_window)
+
+    def capped(score, batch, head, q, k):
+        return softcap * torch.tanh(score / softcap)
+
+    out, aux = flex_attention_function(query.device.type)(
+        query, key, value, score_mod=capped if softcap is not None else None,
+        block_mask=masks[sliding_window, query.device], scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        return_aux=AuxRequest(lse=True))
+    if s_aux is not None:
+        out = out * torch.sigmoid(aux.lse - s_aux.float()[None, :, None]).to(out.dtype)[..., None]
+    return out.transpose(1, 2).contiguous(), None
+
+
+FORWARDS = {ATTENTION: sdpa_varlen_forward, EAGER_ATTENTION: sdpa_varlen_forward,
+            KERNEL_ATTENTION: kernel_varlen_forward, FLEX_ATTENTION: flex_varlen_forward}
+
+
 def register_attention(name: str = ATTENTION) -> str:
-    """Make `attn_implementation=name` (sdpa_varlen or eager_varlen) loadable (idempotent); padded batches keep
-    the mask transformers builds for sdpa."""
+    """Make `attn_implementation=name` (one of PACKED_ATTENTIONS) loadable (idempotent); padded batches keep the mask
+    transformers builds for sdpa, packed rows skip it (compat.TRANSFORMERS_SKIPS_PACKED_ROW_MASKS)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(name, sdpa_varlen_forward)
+    from compat import TRANSFORMERS_SKIPS_PACKED_ROW_MASKS
+
+    AttentionInterface.register(name, FORWARDS[name])
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    TRANSFORMERS_SKIPS_PACKED_ROW_MASKS.apply()
     return name
 
 

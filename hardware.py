@@ -1,4 +1,5 @@
-"""What this machine can do that changes how the recipe runs: native bf16 (else fp32 on a CPU), flash-attn."""
+"""What this machine can do that changes how the recipe runs: native bf16 (else fp32 on a CPU), flash-attn, torch's
+own varlen attention kernel."""
 
 from __future__ import annotations
 
@@ -39,3 +40,10 @@ def native_bf16_supported() -> bool:
 
 def is_flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def has_torch_varlen_attn() -> bool:
+    """The running torch ships FlashAttention-2's varlen kernel with causal windows and grouped heads (CUDA only)."""
+    from fast_paths import torch_varlen_attn
+
+    return torch_varlen_attn()[0] is not None

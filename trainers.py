@@ -13,6 +13,7 @@ import torch
 from trl import SFTTrainer
 
 from checkpoints import CompleteCheckpointsMixin
+from fast_paths import WithExampleLengths, packed_rows
 from launch import Launch
 
 
@@ -149,11 +150,30 @@ class Fsdp1WrapMixin:
         fsdp_param_init_fn_released_after_wrap(accelerator)
 
 
-class RecipeSFTTrainer(CompleteCheckpointsMixin, Fsdp1WrapMixin, SFTTrainer):
-    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py) and FSDP1's wrap (Fsdp1WrapMixin)."""
+class PackedRowsMixin:
+    """Each packed row's example lengths kept on the host from the collator to the attention (fast_paths.packed_rows):
+    a step reads nothing back from the GPU to find its examples."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if getattr(self.data_collator, "padding_free", False):
+            self.data_collator = WithExampleLengths(self.data_collator)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        with packed_rows(inputs):  # the backward too: activation checkpointing runs the layers again there
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        with packed_rows(inputs):
+            return super().prediction_step(model, inputs, *args, **kwargs)
 
 
-class RecipeCpuEngineSFTTrainer(CompleteCheckpointsMixin, Fsdp1WrapMixin, CpuEngineSFTTrainer):
+class RecipeSFTTrainer(CompleteCheckpointsMixin, Fsdp1WrapMixin, PackedRowsMixin, SFTTrainer):
+    """SFTTrainer with the recipe's checkpoint handling (checkpoints.py), FSDP1's wrap (Fsdp1WrapMixin) and host-side
+    example lengths (PackedRowsMixin)."""
+
+
+class RecipeCpuEngineSFTTrainer(CompleteCheckpointsMixin, Fsdp1WrapMixin, PackedRowsMixin, CpuEngineSFTTrainer):
     """The same, keeping FSDP or DeepSpeed on a host without an accelerator."""
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fast_paths import ATTENTION, EAGER_ATTENTION, register_attention
+from fast_paths import PACKED_ATTENTIONS, register_attention
 from model_files import load_causal_lm
 
 CHATML_TEMPLATE = (
@@ -96,7 +96,7 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     build on the meta device (device_map meta); sharding.receive_from_rank0 then sends what no engine carries, with
     the quantization state placed on `device`, the training device. `place_on`: where the model moves once loaded and
     its experts split on the host (a 4-bit mixture of experts on one GPU)."""
-    if attention in (ATTENTION, EAGER_ATTENTION):
+    if attention in PACKED_ATTENTIONS:
         register_attention(attention)
     quantization_config = build_quantization_config(model_args)
     from compat import transformers_zero3_hidden

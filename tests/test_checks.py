@@ -100,9 +100,12 @@ CASES = [
     (checks.flash_attention,
      (["--use_flash_attn", "true"], None, {"cuda": False}), (["--use_flash_attn", "false"], None, {"cuda": False}),
      "error"),
-    (checks.flash_attention,  # a GPU here, but no flash-attn package
+    (checks.flash_attention,  # a GPU here, but neither flash-attn nor a torch with its varlen kernel
      (["--use_flash_attn", "true"], None, {"cuda": True}),
-     (["--use_flash_attn", "true"], None, {"cuda": True, "here": False}), "error"),
+     (["--use_flash_attn", "true"], None, {"cuda": True, "torch_varlen": True}), "error"),
+    (checks.flash_attention,  # flash-attn alone is enough too
+     (["--use_flash_attn", "true"], None, {"cuda": True}),
+     (["--use_flash_attn", "true"], None, {"cuda": True, "flash_attn": True}), "error"),
     (checks.fp16_without_gpu,
      (["--fp16", "true", "--bf16", "false"], None, {"cuda": False}),
      (["--fp16", "true", "--bf16", "false"], None, {"cuda": True}), "error"),
@@ -163,13 +166,13 @@ def test_layer_class_to_wrap_is_the_models_own(tiny_model_dir, monkeypatch):
 def test_every_problem_is_reported_at_once_errors_first():
     # a GPU here: the SFTConfig is still built on this host, so without bf16 (TrainingArguments refuses it on CPU)
     s = setup(["--use_4bit_quantization", "true", "--bf16", "false", "--bnb_4bit_quant_storage_dtype", "uint8",
-               "--optim", "paged_adamw_8bit", "--use_flash_attn", "true", "--eval_num_prompts", "4"],
+               "--optim", "paged_adamw_8bit", "--use_flash_attn", "true", "--eval_num_prompts", "4"],  # no varlen kernel
               launch("fsdp2_config_qlora.yaml", FSDP_CPU_RAM_EFFICIENT_LOADING="false"), cuda=True)
     problems = preflight(s)
     levels = [p.level for p in problems]
     assert levels == sorted(levels, key=lambda level: level != "error")
     names = " | ".join(str(p) for p in problems)
-    for expected in ("uint8", "paged_adamw_8bit", "flash-attn is not installed", "QLoRA + FSDP without RAM-efficient",
+    for expected in ("uint8", "paged_adamw_8bit", "no FlashAttention varlen kernel", "QLoRA + FSDP without RAM-efficient",
                      "--eval_num_prompts"):
         assert expected in names
     assert all(" Fix: " in str(p) for p in problems)

@@ -272,3 +272,17 @@ def test_gguf_read_once_serves_transformers_one_parse_and_one_name_map(tmp_path)
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
     assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
     assert gguf.GGUFReader(source) is not first
+
+
+def test_transformers_prepares_masks_where_the_packed_row_patch_stops_it():
+    """`_preprocess_mask_arguments` takes (config, inputs_embeds, attention_mask, past_key_values, position_ids, ...)
+    and answers a 7-tuple led by "stop early"; the packed check it runs reads the device (the reason for the patch).
+    tests/test_model_families.py shows the read gone with the patch and present without it."""
+    from transformers import masking_utils
+
+    parameters = list(inspect.signature(masking_utils._preprocess_mask_arguments).parameters)
+    assert parameters[:5] == ["config", "inputs_embeds", "attention_mask", "past_key_values", "position_ids"]
+    source = inspect.getsource(masking_utils._preprocess_mask_arguments)
+    assert "return True, None, None, None, None, None, None" in source
+    assert "find_packed_sequence_indices(position_ids)" in source
+    assert ".all()" in inspect.getsource(masking_utils.find_packed_sequence_indices)

@@ -1,13 +1,20 @@
 """Every model family the recipe claims, as tiny random models: the recipe's attention on packed rows equals each
 example run alone through the family's own eager attention (sliding windows, Gemma-2's logit softcapping, gpt-oss's
-sinks included), in logits and gradients, and generation after a training step equals eager's."""
+sinks included), in logits and gradients, and generation after a training step equals eager's; with the example
+lengths kept on the host, a step reads nothing back from the device. FlexAttention's path is compared in its forward
+(torch has no FlexAttention backward on CPU); the varlen kernel runs on CUDA only (bench/gpu_check.py)."""
+
+import pickle
+import traceback
 
 import pytest
 import torch
 import transformers
+from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
-from fast_paths import attention_for, register_attention, sdpa_varlen_forward
+from fast_paths import (EXAMPLE_LENGTHS, FLEX_ATTENTION, KERNEL_ATTENTION, WithExampleLengths, attention_for,
+                        packed_rows, register_attention, sdpa_varlen_forward)
 from model_files import REPO_DIR
 
 WINDOW = 8  # shorter than the examples below, so a window that is ignored changes the numbers
@@ -116,14 +123,88 @@ def test_packed_rows_that_ignored_the_window_or_the_softcap_would_miss_by_far():
         assert (model(**packed_batch(examples), use_cache=False).logits[0] - alone).abs().max() > 1e-2, family
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "llama"])
-def test_flash_attention_is_refused_where_it_would_drop_the_sinks(family):
-    import checks
+# What waits for the device when a tensor lives there: reading values into Python, or an output sized by them
+HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero}
+
+
+class HostReads(TorchFunctionMode):
+    """Each read of a tensor's values into Python while active, with the function that made it."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            self.reads.append(f"{func.__name__} in {traceback.extract_stack()[-2].name}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_a_packed_step_reads_no_boundary_back_when_the_lengths_come_from_the_host(family):
+    model = tiny_model(family)
+    model.set_attn_implementation(register_attention(attention_for(model.config)[0]))
+    torch.manual_seed(1)
+    batch = packed_batch([torch.randint(3, COMMON["vocab_size"], (n,)) for n in LENGTHS])
+    with HostReads() as without:  # the boundaries read in every layer, the mask's packed check once per forward
+        model(**batch, use_cache=False).logits.sum().backward()
+    assert any("example_lengths" in read for read in without.reads), without.reads
+    assert any("find_packed_sequence_indices" in read for read in without.reads), without.reads
+    batch[EXAMPLE_LENGTHS] = tuple(LENGTHS)
+    with packed_rows(batch), HostReads() as with_lengths:
+        model(**batch, use_cache=False).logits.sum().backward()
+    assert with_lengths.reads == [] and EXAMPLE_LENGTHS not in batch
+
+
+def test_the_collator_keeps_the_example_lengths_on_the_host():
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    collator = pickle.loads(pickle.dumps(WithExampleLengths(DataCollatorForLanguageModeling(0, padding_free=True))))
+    batch = collator([{"input_ids": list(range(3, 3 + n))} for n in LENGTHS])
+    assert collator.padding_free and batch[EXAMPLE_LENGTHS] == tuple(LENGTHS)
+    assert batch["cu_seq_lens_q"].tolist() == [0, 21, 35, 44] and batch["max_length_q"] == 21
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_flex_attention_on_packed_rows_equals_each_example_alone(family):
+    model = tiny_model(family)
+    torch.manual_seed(1)
+    examples = [torch.randint(3, COMMON["vocab_size"], (n,)) for n in LENGTHS]
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=x[None], use_cache=False).logits[0] for x in examples])
+        model.set_attn_implementation(register_attention(FLEX_ATTENTION))
+        batch = {**packed_batch(examples), EXAMPLE_LENGTHS: tuple(LENGTHS)}
+        with packed_rows(batch):
+            torch.testing.assert_close(model(**batch, use_cache=False).logits[0], alone, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_use_flash_attn_means_one_kernel_per_packed_row(family):
     from conftest import settled
 
-    config = settled(["--use_flash_attn", "true"], model_config=FAMILIES[family](), cuda=True, flash_attn=True)
-    problem = checks.flash_attention(config)
-    assert (problem.level, "eager_varlen" in problem.fix) == ("error", True) if family == "gpt_oss" else problem is None
+    config = settled(["--use_flash_attn", "true"], model_config=FAMILIES[family](), cuda=True, torch_varlen=True)
+    eager = family in ("gemma2", "gpt_oss")  # softcapping, sinks: FlexAttention computes them
+    assert config.attention == (FLEX_ATTENTION if eager else KERNEL_ATTENTION)
+    dropout = FAMILIES[family]()
+    dropout.attention_dropout = 0.1  # computed by neither kernel: the per-example loop stays
+    assert settled(["--use_flash_attn", "true"], model_config=dropout, cuda=True, torch_varlen=True).attention == (
+        "eager_varlen" if eager else "sdpa_varlen")
+    opt_in = [d.why for d in settled([], model_config=FAMILIES[family](), cuda=True).decisions if d.setting == "attention"]
+    assert "opt-in (--use_flash_attn true)" in opt_in[0]
+
+
+def test_the_kernel_refuses_what_it_cannot_compute():
+    from fast_paths import kernel_varlen_forward
+
+    model = tiny_model("llama")
+    attention = model.model.layers[0].self_attn
+    query, key = torch.zeros(1, 4, 6, 16), torch.zeros(1, 2, 6, 16)
+    bounds = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="no attention dropout, softcapping or sinks"):
+        kernel_varlen_forward(attention, query, key, key, None, dropout=0.1, cu_seq_lens_q=bounds)
+    with pytest.raises(RuntimeError, match="kernel_varlen: the FlashAttention kernels run on CUDA only"):
+        kernel_varlen_forward(attention, query, key, key, None, cu_seq_lens_q=bounds)
 
 
 SHIPPED = sorted(path.name for path in (REPO_DIR / "configs" / "models").iterdir())
