@@ -26,8 +26,14 @@ RECORDED_LOSSES = [11.692840, 10.171215, 8.557518, 8.144197, 7.650654, 7.694229]
 
 @pytest.mark.e2e
 def test_tiny_lora_run_reproduces_its_recorded_losses(tiny_model_dir, chat_dir, tmp_path):
-    trainer, _ = train.run(tiny_run_args(tiny_model_dir, chat_dir, tmp_path / "out", "--splits", "train"))
+    """...and finds each packed row's examples from the lengths the collator kept on the host: no boundary read back
+    in the attention of any layer, no packed-row check in transformers' mask preparation."""
+    from test_model_families import HostReads
+
+    with HostReads() as reads:
+        trainer, _ = train.run(tiny_run_args(tiny_model_dir, chat_dir, tmp_path / "out", "--splits", "train"))
     assert losses(trainer.state.log_history) == pytest.approx(RECORDED_LOSSES, rel=2e-5, abs=0)
+    assert not [read for read in reads.reads if read.endswith(("example_lengths", "find_packed_sequence_indices"))]
 
 
 @pytest.mark.e2e
