@@ -28,6 +28,7 @@ from launch import Launch, launch_environment
 from memory import GIB
 from model_files import DEFAULT_MODEL_DIR, convert_default_model, gguf_source, hub_id_of
 from moe import is_moe
+from training_data import EXAMPLES_PER_PROCESS
 from trainers import CPU_FSDP1_OVERRIDES
 from utils import build_tokenizer, load_dtype
 
@@ -165,12 +166,14 @@ class Configuration:
     cpu_engine: str | None = None  # "fsdp" or "deepspeed" on a host without accelerator (accelerate would drop it)
     environment: dict[str, str] = field(default_factory=dict)  # exported before the trainer is built
     compile_each_layer: bool = False  # --torch_compile, one graph per decoder layer (fast_paths.compile_settings)
+    data_processes: int = 1  # processes that tokenize the data on each rank (training_data.map_in_processes)
     publish_to: str | None = None  # the Hub repo export.publish uploads to at the end (the Trainer never pushes)
     hub_token: str | None = field(default=None, repr=False)  # kept out of `training`, which is pickled to disk
     token_on_command_line: bool = False  # --hub_token was a flag: every user of the machine can read it (ps)
     base_model_id: str | None = None  # the base as the adapter records it: a Hub id (None: a local folder, unknown)
     decisions: list[Decision] = field(default_factory=list)
     decided: dict[str, Any] = field(default_factory=dict)  # SFTConfig values settle decided (in the final SFTConfig)
+    given: frozenset[str] = frozenset()  # the training flags the user set (the rest are defaults)
 
     @property
     def launch(self) -> Launch:
@@ -218,16 +221,17 @@ def settle(request: Request, facts: Facts) -> Configuration:
     # config.decided, and the SFTConfig the Trainer receives is built from both at the end, never edited afterwards.
     asked = training_arguments(values)
     config = Configuration(request.model, request.data, asked, facts, decisions=decisions,
-                           token_on_command_line=request.token_on_command_line,
+                           given=frozenset(request.training), token_on_command_line=request.token_on_command_line,
                            base_model_id=hub_id_of(request.model.model_name_or_path, request.model.base_model_id),
                            dtype=load_dtype(request.model, asked), max_length=asked.max_length)
     checkpointing_given = checkpointing_asked(request.training)
     for decide in (decide_base_model_id, decide_attention):  # attention before the plan: eager keeps its scores
         decide(config)
     if not checkpointing_given:
+        decide_micro_batch(config)
         decide_activation_checkpointing(config)
     for decide in (decide_checkpointing_kwargs, decide_lengths, decide_placement, decide_loading, decide_cpu_engine,
-                   decide_fsdp1_buffers, decide_compile, decide_publishing):
+                   decide_fsdp1_buffers, decide_compile, decide_data_processes, decide_publishing):
         decide(config)
     config.training = training_arguments({**values, **config.decided})
     return config
@@ -410,6 +414,20 @@ def decide_compile(config: Configuration) -> None:
                                          "accelerate config or ACCELERATE_DYNAMO_* says otherwise"))
 
 
+def decide_data_processes(config: Configuration) -> None:
+    """Every rank tokenizes the whole dataset (no rank waits for another's cache) with the cores it has: this
+    machine's over its ranks, or --dataset_num_proc."""
+    if config.training.dataset_num_proc:
+        config.data_processes, why = config.training.dataset_num_proc, "--dataset_num_proc"
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        ranks = config.launch.local_processes
+        config.data_processes = max(1, cores // ranks)
+        why = f"{cores} cores" + (f" over {ranks} ranks on this machine" if ranks > 1 else "")
+    config.decisions.append(Decision("tokenizing processes per rank", config.data_processes, why + "; each takes a "
+                                     f"part of at least {EXAMPLES_PER_PROCESS} examples, in order"))
+
+
 def decide_publishing(config: Configuration) -> None:
     """The recipe publishes once, at the end, a folder it has built and checked; the token stays out of the pickled
     training arguments (every checkpoint's training_args.bin)."""
@@ -457,7 +475,8 @@ def planned_run(config: Configuration):
     offload = launch.fsdp_setting("OFFLOAD_PARAMS") or launch.deepspeed_offload
     return Run(method=method, engine=engine, sharding="grad_op" if launch.fsdp_shards_gradients_only else "full",
                zero_stage=launch.zero_stage or 3, offload=offload, gpus=launch.num_processes,
-               batch=training.per_device_train_batch_size, seq=config.max_length or 1024,  # 1024: TRL's default
+               batch=config.decided.get("per_device_train_batch_size", training.per_device_train_batch_size),
+               seq=config.max_length or 1024,  # 1024: TRL's default
                checkpointing=bool(training.activation_checkpointing),
                optimizer="sgd" if optim == "sgd" else "adamw_8bit" if "8bit" in optim else "adamw",
                lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout,
@@ -489,6 +508,32 @@ def planned_need(config: Configuration, **changes) -> float:
 
     plan = memory_plan(config, **changes)
     return plan.per_gpu_total * ALLOCATOR_HEADROOM if config.facts.cuda else plan.host_total
+
+
+def decide_micro_batch(config: Configuration) -> None:
+    """On GPUs, when the user set no micro batch: the largest that the memory plan fits without activation
+    checkpointing, with the same examples per optimizer step (per-device batch x accumulation steps): fewer, larger
+    micro batches keep the GPU busier. Where none fits, the default stays and the plan turns checkpointing on."""
+    facts, training = config.facts, config.training
+    if "per_device_train_batch_size" in config.given or not facts.cuda or not facts.gpu_gib or \
+            facts.model_config is None:
+        return
+    batch, steps = training.per_device_train_batch_size, training.gradient_accumulation_steps
+    examples = batch * steps
+    for candidate in sorted((b for b in range(1, examples + 1) if examples % b == 0), reverse=True):
+        need = planned_need(config, batch=candidate, checkpointing=False)
+        if need <= facts.gpu_gib:
+            break
+    else:
+        return
+    if candidate == batch:
+        return
+    config.decided.update(per_device_train_batch_size=candidate, gradient_accumulation_steps=examples // candidate)
+    config.decisions.append(Decision("per_device_train_batch_size", candidate, f"the largest micro batch of the "
+                                     f"{examples} examples per step that the memory plan fits without activation "
+                                     f"checkpointing: {need:.1f} GiB per GPU with allocator headroom of "
+                                     f"{facts.gpu_gib:.0f} GiB; gradient_accumulation_steps {examples // candidate} "
+                                     f"(was {batch} x {steps}); --per_device_train_batch_size sets it"))
 
 
 def decide_activation_checkpointing(config: Configuration) -> None:

@@ -108,6 +108,11 @@ class Launch:
         return int(self.env.get("RANK", 0))
 
     @property
+    def local_processes(self) -> int:
+        """The ranks on this machine (torchrun's LOCAL_WORLD_SIZE), which share its cores."""
+        return int(self.env.get("LOCAL_WORLD_SIZE", self.num_processes))
+
+    @property
     def stop_report(self) -> str | None:
         """The file where a run stopped by a signal writes the signal's number, for preemptible.sh to exit 128 + it on
         every node, the nodes that were not signalled included (their launchers see only the workers' exit)."""

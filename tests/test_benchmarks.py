@@ -162,6 +162,29 @@ def test_readme_memory_figures_are_what_the_planner_makes_of_them():
         assert written == block, f"{document.name}'s {name} block: run bench/plan_tables.py --write"
 
 
+def test_gpu_figures_in_the_docs_are_what_gpu_tables_makes_of_their_results_files():
+    """Every GPU figure block in README.md and docs/ is bench/gpu_tables.py's output for the results file it names: a
+    hand edit, or a change to how a figure is made, fails here until `bench/gpu_tables.py --write` is run."""
+    import gpu_tables
+    import plan_tables
+
+    made = gpu_tables.blocks()
+    assert {name.split()[0] for name in made} >= {"speed", "speed-line", "launchers"}
+    for name, block in made.items():
+        document, written = plan_tables.written_block(name, gpu_tables.TOOL)
+        assert written == block, f"{document.name}'s {name} block: run bench/gpu_tables.py --write"
+
+
+def test_nemo_lora_count_gives_nemo_automodels_published_llama_3_8b_figure():
+    """NeMo AutoModel's LoRA table: Llama3 8B, 2 x 4096 tokens, one H100, 402 TFLOP/s at 12,472.87 tokens/s."""
+    from memory import load_config
+
+    import gpu_benchmark
+
+    per_token = gpu_benchmark.nemo_lora_flops_per_token(load_config("configs/models/Meta-Llama-3-8B"), 4096)
+    assert per_token * 12472.87 / 1e12 == pytest.approx(402, rel=0.005)
+
+
 @pytest.mark.e2e
 def test_data_preparation_times_the_recipe_alone_and_on_ranks_together(capsys):
     """bench/data_preparation.py on 60 conversations: the recipe's preparation alone, then on 2 processes at once;

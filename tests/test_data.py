@@ -238,3 +238,65 @@ def test_packing_keeps_every_token_and_examples_do_not_see_their_neighbours(tiny
         torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
         unmasked = per_token_losses(model, ids, labels)  # the same packed row without position resets
         assert not torch.allclose(unmasked, packed, rtol=1e-3, atol=1e-4)  # so the test can tell contamination
+
+
+def test_supervised_labels_keep_exactly_the_tokens_that_start_inside_a_span():
+    """The one-pass labelling against the rule it implements, a check of every span per token, on offsets with
+    special tokens' (0, 0) at both ends, tokens sharing a start, and spans given out of order."""
+    import random
+
+    from training_data import supervised_labels
+
+    rng = random.Random(0)
+    for _ in range(200):
+        starts = sorted(rng.choices(range(300), k=rng.randint(0, 60)))
+        offsets = [(0, 0)] + [(s, s + rng.randint(0, 4)) for s in starts] + [(0, 0)]
+        ids = list(range(1, len(offsets) + 1))
+        cuts = sorted(rng.sample(range(300), 2 * rng.randint(0, 4)))
+        spans = list(zip(cuts[::2], cuts[1::2]))
+        rng.shuffle(spans)
+        expected = [i if end > start and any(a <= start < b for a, b in spans) else IGNORE_INDEX
+                    for i, (start, end) in zip(ids, offsets)]
+        assert supervised_labels(ids, offsets, spans) == expected
+
+
+def test_tokenizing_in_processes_gives_the_rows_of_one_process_in_order_and_raises_a_workers_error(
+        smol_tokenizer, chat_dir):
+    from training_data import map_in_processes
+
+    raw, _, data_format, _ = load_splits(str(chat_dir), ["train"])
+    options = dict(fn_kwargs=dict(tokenizer=smol_tokenizer, data_format=data_format, text_field="text",
+                                  add_special_tokens=False, append_concat_token=True),
+                   remove_columns=raw["train"].column_names)
+    one = map_in_processes(raw["train"], tokenize_example, 1, "one", **options)
+    three = map_in_processes(raw["train"], tokenize_example, 3, "three", **options)
+    assert len(three) == len(one) and three["input_ids"] == one["input_ids"] and three["labels"] == one["labels"]
+
+    def fails_on_the_last_row(example, **kwargs):
+        if example["messages"] == raw["train"][-1]["messages"]:
+            raise ValueError("the last row is bad")
+        return tokenize_example(example, **kwargs)
+
+    with pytest.raises(ValueError, match="the last row is bad"):
+        map_in_processes(raw["train"], fails_on_the_last_row, 2, "failing", **options)
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    ([], {}, "cores"), (["--dataset_num_proc", "3"], {}, 3),
+    ([], {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "cores over 2")])
+def test_each_rank_tokenizes_with_its_share_of_the_cores(argv, env, expected):
+    import os
+
+    from conftest import settled
+    from launch import Launch
+
+    launch = Launch({**env}, int(env.get("WORLD_SIZE", 1)))
+    config = settled(argv, launch=launch)
+    cores = len(os.sched_getaffinity(0))
+    decision = next(d for d in config.decisions if d.setting == "tokenizing processes per rank")
+    if expected == 3:
+        assert config.data_processes == 3 and "--dataset_num_proc" in decision.why
+    elif expected == "cores":
+        assert config.data_processes == cores and f"{cores} cores;" in decision.why
+    else:
+        assert config.data_processes == max(1, cores // 2) and "over 2 ranks" in decision.why

@@ -1,0 +1,145 @@
+"""The GPU figures in README.md and docs/, made from the GPU check's results files, never typed by hand.
+
+    .venv/bin/python bench/gpu_tables.py           # prints every block the documents hold, made again
+    .venv/bin/python bench/gpu_tables.py --write   # rewrites them where they are
+
+A block names the results file it is made from (under bench/gpu_check_results/), so each dated table stays with its
+run: `<!-- gpu_tables.py: KIND FILE.json -->` ... `<!-- /gpu_tables.py -->`. Kinds:
+
+- `speed`: the speed part's runs, a row each: tokens/s, MFU (as this project counts and, where recorded, as NeMo
+  AutoModel counts), the first step, GPU memory against the plan; runs of a data set beside `trl sft`'s on it show the
+  ratio.
+- `speed-line`: the same in one sentence, for the README.
+- `profile`: where one step's GPU time went, and the calls that waited for the GPU, per run that recorded them.
+- `launchers`: each launcher's run: seconds, losses, the reloaded adapter's logits against the trained model's, memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "gpu_check_results"
+sys.path.insert(0, str(REPO / "bench"))
+
+from plan_tables import DOCUMENTS, write_blocks  # noqa: E402
+
+TOOL = "gpu_tables.py"
+LAUNCHER_NAMES = {"fsdp1-qlora-offload": "FSDP1 QLoRA + CPU offload", "fsdp2-lora": "FSDP2 LoRA",
+                  "zero3-lora": "ZeRO-3 LoRA", "zero3-qlora": "ZeRO-3 QLoRA"}
+DATA_NAMES = {"chat": "chat lengths (LMSYS-Chat-1M)", "full": "full 4096-token sequences", "demo": "demo dates"}
+
+
+def percent(value) -> str:
+    return f"{value:.0%}" if value is not None else "n/a"
+
+
+def speed_rows(speed: dict) -> list[tuple[str, str, dict]]:
+    """(name, label, row) for each run that trained: SETUP:DATA runs, or the methods of the runs recorded before."""
+    rows = []
+    for name, row in speed.get("results", {}).items():
+        if "error" in row:
+            continue
+        if "setup" in row:
+            label = f"{row['setup']}, {DATA_NAMES.get(row['data'], row['data'])}"
+        else:
+            label = f"8B {name}, {speed['steps']} steps"
+        rows.append((name, label, row))
+    return rows
+
+
+def tokens_per_s(row: dict) -> float:
+    return row.get("steady_tokens_per_s") or row["tokens_per_s"]
+
+
+def speed_table(results: dict) -> str:
+    speed = results["speed"]
+    trl = {row["data"]: tokens_per_s(row) for _, _, row in speed_rows(speed) if row.get("setup") == "trl"}
+    lines = ["| run | attention | tokens/s | vs `trl sft` | MFU (datasheet / measured peak) | MFU, NeMo's count | "
+             "first step after | GPU allocated, train: measured / planned |", "|---|---|---|---|---|---|---|---|"]
+    for _, label, row in speed_rows(speed):
+        ratio = (f"{tokens_per_s(row) / trl[row['data']]:.2f}x" if row.get("setup", "trl") != "trl" and
+                 row.get("data") in trl else "")
+        memory = (row.get("memory_against_plan") or {}).get("train")
+        measured = (f"{memory['allocated_gib']:.2f} / {memory['planned_allocated_gib']:.2f} GiB" if memory else
+                    f"{row['gpu_allocated_gib']:.2f} GiB" if row.get("gpu_allocated_gib") is not None else "")
+        first = row.get("seconds_to_first_step")
+        lines.append(f"| {label} | {row['attention']} | {tokens_per_s(row):.0f} | {ratio} | "
+                     f"{percent(row.get('mfu_datasheet'))} / {percent(row.get('mfu_measured_peak'))} | "
+                     f"{percent(row.get('mfu_nemo_count_datasheet'))} | "
+                     f"{f'{first:.0f} s' if first is not None else ''} | {measured} |")
+    return "\n".join(lines)
+
+
+def speed_line(results: dict) -> str:
+    speed = results["speed"]
+    figures = [f"{label} {tokens_per_s(row):,.0f} tokens/s" for _, label, row in speed_rows(speed)]
+    return f"{speed['date']}, one {speed['device']}, {speed['shape']} shape: " + "; ".join(figures) + "."
+
+
+def profile_table(results: dict) -> str:
+    lines = ["| run | step | matmuls | attention | other kernels | GPU idle | calls that waited for the GPU (in "
+             "decoder layers) |", "|---|---|---|---|---|---|---|"]
+    for _, label, row in speed_rows(results["speed"]):
+        profile, syncs = row.get("profile"), row.get("syncs")
+        if not profile:
+            continue
+        step = profile["step_seconds"]
+        share = lambda key: percent(profile[key] / step) if profile.get(key) is not None else "n/a"  # noqa: E731
+        waited = (f"{len(syncs)} ({sum(s['in_decoder_layer'] for s in syncs)})" if syncs is not None else "n/a")
+        lines.append(f"| {label} | {step:.2f} s | {share('matmul_seconds')} | {share('attention_seconds')} | "
+                     f"{share('other_seconds')} | {share('idle_seconds')} | {waited} |")
+    return "\n".join(lines)
+
+
+def launchers_table(results: dict) -> str:
+    lines = ["| launcher | seconds | loss, step 1 → 5 | reloaded logits vs trained: max abs difference | "
+             "GPU allocated, load: measured / planned | train: measured / planned |", "|---|---|---|---|---|---|"]
+    for name, row in results.get("launchers", {}).items():
+        if "losses" not in row:
+            continue
+        memory = row["memory_against_plan"]
+        gib = lambda phase: (f"{memory[phase]['allocated_gib']:.2f} / "  # noqa: E731
+                             f"{memory[phase]['planned_allocated_gib']:.2f}")
+        verdict = "" if row["passed"] else " (over the 2% bound: failed)"
+        lines.append(f"| {LAUNCHER_NAMES.get(name, name)} | {row['seconds']:.1f} | {row['losses'][0]:.2f} → "
+                     f"{row['losses'][-1]:.2f} | {row['logits_max_abs_difference']:.3g} of "
+                     f"{row['logits_max_abs']:.3g}{verdict} | {gib('load')} | {gib('train')} |")
+    return "\n".join(lines)
+
+
+KINDS = {"speed": speed_table, "speed-line": speed_line, "profile": profile_table, "launchers": launchers_table}
+
+
+def block(name: str) -> str:
+    """Block `name` ("KIND FILE.json") made from its results file."""
+    kind, file = name.split(" ", 1)
+    return KINDS[kind](json.loads((RESULTS / file).read_text()))
+
+
+def written_names() -> list[str]:
+    pattern = re.compile(rf"<!-- {re.escape(TOOL)}: ([^>]+?) -->")
+    return [name for document in DOCUMENTS for name in pattern.findall(document.read_text())]
+
+
+def blocks() -> dict[str, str]:
+    return {name: block(name) for name in written_names()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks where they are written")
+    args = parser.parse_args(argv)
+    made = blocks()
+    if not args.write:
+        print("\n\n".join(f"<!-- {name} -->\n{text}" for name, text in made.items()))
+        return
+    write_blocks(made, TOOL)
+
+
+if __name__ == "__main__":
+    main()
