@@ -85,6 +85,9 @@ class ModelArguments:
     use_flash_attn: bool = field(default=False, metadata={
         "help": "A flash kernel for packed rows (CUDA): one FlashAttention-2 varlen kernel per row, flash-attn's where "
                 "installed, else the one torch ships; FlexAttention for softcapping and sinks (Gemma-2, gpt-oss)."})
+    use_liger_kernels: bool = field(default=False, metadata={
+        "help": "Liger Kernel's fused RMSNorm, SwiGLU/GeGLU and RoPE for the model's family (CUDA, liger-kernel "
+                "installed); the loss stays the recipe's."})
     use_reentrant: bool = field(
         default=True,
         metadata={"help": "Reentrant activation checkpointing: true for single GPU, FSDP-QLoRA and ZeRO-3; false "

@@ -140,6 +140,24 @@ def flash_attention(s: Configuration) -> Problem | None:
     return None
 
 
+def liger_kernels(s: Configuration) -> Problem | None:
+    if not s.model.use_liger_kernels or not s.facts.here:
+        return None
+    if not s.facts.cuda:
+        return Problem("error", "--use_liger_kernels without a CUDA GPU", "Liger's kernels are Triton kernels for CUDA",
+                       "drop the flag")
+    if not s.facts.liger:
+        return Problem("error", "--use_liger_kernels but liger-kernel is not installed", "the kernels would fail to load",
+                       "`pip install -r requirements-gpu.txt` (liger-kernel), or drop the flag")
+    from fast_paths import liger_families
+
+    model_type = getattr(s.facts.model_config, "model_type", None)
+    if s.facts.model_config is not None and model_type not in liger_families():
+        return Problem("error", f"--use_liger_kernels on a {model_type} model", "Liger Kernel has no kernels for this "
+                       "family", "drop the flag")
+    return None
+
+
 def bf16_support(s: Configuration) -> Problem | None:
     if s.facts.here and s.training.bf16 and not s.facts.native_bf16:
         device = "GPU" if s.facts.cuda else "CPU"
@@ -440,7 +458,7 @@ def host_ram_by_phase(s: Configuration) -> Problem | None:
 
 
 RULES: list[Callable[[Configuration], Problem | None]] = [
-    model_source, tokenizer_builds, dataset_source, mxfp4_checkpoint, flash_attention, bf16_support, fp16_without_gpu,
+    model_source, tokenizer_builds, dataset_source, mxfp4_checkpoint, flash_attention, liger_kernels, bf16_support, fp16_without_gpu,
     quant_storage_dtype, fsdp2_mixed_precision_casts_4bit, eight_bit_with_fsdp, bnb_optimizer_with_fsdp,
     qlora_fsdp_loading, ram_efficient_without_sync, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, fsdp1_on_one_process, deepspeed_set_twice, zero3_non_reentrant,

@@ -23,7 +23,7 @@ from arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, Mod
                        parse_arguments)
 from fast_paths import (ATTENTION, EAGER_ATTENTION, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for,
                         compile_settings)
-from hardware import has_torch_varlen_attn, is_flash_attn_installed, native_bf16_supported
+from hardware import has_torch_varlen_attn, is_flash_attn_installed, is_liger_kernel_installed, native_bf16_supported
 from launch import Launch, launch_environment
 from memory import GIB
 from model_files import DEFAULT_MODEL_DIR, convert_default_model, gguf_source, hub_id_of
@@ -52,6 +52,7 @@ class Facts:
     native_bf16: bool = False  # bf16 matmuls run natively (hardware.native_bf16_supported; RECIPE_NATIVE_BF16 overrides)
     flash_attn: bool = False  # the flash-attn package is installed
     torch_varlen: bool = False  # the running torch ships FlashAttention-2's varlen kernel (fast_paths.torch_varlen_attn)
+    liger: bool = False  # the liger-kernel package is installed
     gpu_gib: float | None = None  # memory of each GPU: this machine's, or --gpu_gib
     host_gib: float | None = None  # host RAM available when the run starts
     threads: int = 1  # torch's intra-op threads
@@ -124,7 +125,7 @@ def gather(request: Request) -> Facts:
     except ValueError as err:  # a RECIPE_NATIVE_BF16 value it does not know
         raise ConfigError(str(err)) from None
     facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16, flash_attn=is_flash_attn_installed(),
-                  torch_varlen=has_torch_varlen_attn(),
+                  torch_varlen=has_torch_varlen_attn(), liger=is_liger_kernel_installed(),
                   gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
                   model_config=read_model_config(model.model_name_or_path, trust, token))
     folder = Path(model.model_name_or_path)
@@ -231,7 +232,7 @@ def settle(request: Request, facts: Facts) -> Configuration:
         decide_micro_batch(config)
         decide_activation_checkpointing(config)
     for decide in (decide_checkpointing_kwargs, decide_lengths, decide_placement, decide_loading, decide_cpu_engine,
-                   decide_fsdp1_buffers, decide_compile, decide_data_processes, decide_publishing):
+                   decide_fsdp1_buffers, decide_fused_layers, decide_compile, decide_data_processes, decide_publishing):
         decide(config)
     config.training = training_arguments({**values, **config.decided})
     return config
@@ -404,6 +405,15 @@ def decide_fsdp1_buffers(config: Configuration) -> None:
         config.decisions.append(Decision("fsdp1 buffer dtype", "float32", f"{policy} would have FSDP1 cast every "
                                          "buffer, the rotary embedding's inverse frequencies too, shifting each "
                                          "position's phase with its index"))
+
+
+def decide_fused_layers(config: Configuration) -> None:
+    if config.model.use_liger_kernels:
+        config.decisions.append(Decision("fused layers", "Liger Kernel (RMSNorm, SwiGLU/GeGLU, RoPE)",
+                                         "--use_liger_kernels; the loss stays TRL's and the recipe's"))
+    elif config.facts.cuda:
+        config.decisions.append(Decision("fused layers", "none", "Liger Kernel is opt-in (--use_liger_kernels true) "
+                                         "until the GPU check has measured it against the unfused layers"))
 
 
 def decide_compile(config: Configuration) -> None:

@@ -12,6 +12,8 @@
   - `flex_varlen`: one FlexAttention call with a per-example block mask, for what the kernel cannot compute
     (softcapping, sinks).
   Batches without `cu_seq_lens_q` (padded eval batches, generation) go to plain sdpa, with sdpa's own mask.
+- Fused layers (`--use_liger_kernels`, CUDA): Liger Kernel's RMSNorm, SwiGLU and RoPE through its own function for the
+  model's family.
 - No host read of the boundaries in a step. The collator knows each example's length on the host; the recipe's
   trainer keeps them beside the batch (`WithExampleLengths`, `packed_rows`) so neither the attention in every layer
   nor transformers' mask preparation reads them back from the GPU (each read waits for the GPU to catch up).
@@ -314,6 +316,29 @@ def flex_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     if s_aux is not None:
         out = out * torch.sigmoid(aux.lse - s_aux.float()[None, :, None]).to(out.dtype)[..., None]
     return out.transpose(1, 2).contiguous(), None
+
+
+# Liger Kernel's fused layers: the norm, the gated MLP's activation and the rotary embedding. Not its losses: TRL 1.16
+# refuses its fused linear cross-entropy, whose work TRL's chunked loss and the labelled-positions head already do.
+LIGER_LAYERS = dict(rms_norm=True, swiglu=True, geglu=True, rope=True, cross_entropy=False,
+                    fused_linear_cross_entropy=False)
+
+
+def liger_families() -> dict:
+    """model_type -> Liger's own function that patches a model of that family (liger-kernel installed)."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    return MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+def apply_liger_kernels(model) -> list[str]:
+    """Liger's per-family function on the loaded base model (before LoRA wraps its projections: the fused MLP calls
+    them as modules, so their adapters run); returns the layers it replaced."""
+    apply = liger_families()[model.config.model_type]
+    accepted = inspect.signature(apply).parameters
+    layers = {name: on for name, on in LIGER_LAYERS.items() if name in accepted}
+    apply(model=model, **layers)
+    return [name for name, on in layers.items() if on]
 
 
 FORWARDS = {ATTENTION: sdpa_varlen_forward, EAGER_ATTENTION: sdpa_varlen_forward,

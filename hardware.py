@@ -42,6 +42,10 @@ def is_flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def is_liger_kernel_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 def has_torch_varlen_attn() -> bool:
     """The running torch ships FlashAttention-2's varlen kernel with causal windows and grouped heads (CUDA only)."""
     from fast_paths import torch_varlen_attn

@@ -202,11 +202,16 @@ def load_data(config: Configuration) -> TrainingData:
 
 
 def build_base_model(config: Configuration):
-    return build_model(config.model, config.facts.tokenizer, config.facts.added_token_ids, dtype=config.dtype,
-                       attention=config.attention, device_map=config.device_map,
-                       weights_from_rank0=config.weights_from_rank0, device=config.training.device,
-                       trust_remote_code=config.training.trust_remote_code, token=config.hub_token,
-                       place_on=config.place_on)
+    model = build_model(config.model, config.facts.tokenizer, config.facts.added_token_ids, dtype=config.dtype,
+                        attention=config.attention, device_map=config.device_map,
+                        weights_from_rank0=config.weights_from_rank0, device=config.training.device,
+                        trust_remote_code=config.training.trust_remote_code, token=config.hub_token,
+                        place_on=config.place_on)
+    if config.model.use_liger_kernels:
+        from fast_paths import apply_liger_kernels
+
+        log(f"Liger Kernel replaced: {', '.join(apply_liger_kernels(model))}")
+    return model
 
 
 def heldout_prompts(config: Configuration, data: TrainingData) -> HeldOut | None:

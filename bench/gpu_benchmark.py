@@ -9,8 +9,9 @@ values), LoRA r=16 alpha 32 on every linear, no dropout, bf16, rows of up to 409
 run is SETUP:DATA, both named below:
 
 - setups: `recipe` (train.py, one varlen kernel per packed row on CUDA: --use_flash_attn true), `recipe-qlora`,
-  `recipe-loop` (train.py's default attention, once per example), `trl` (TRL's own SFT script, as `trl sft` runs it
-  on one GPU, with the flags a careful user gives: TRL_SFT_FLAGS and the best attention the machine has);
+  `recipe-loop` (train.py's default attention, once per example), `recipe-liger` (Liger Kernel's fused layers),
+  `recipe-compile` (--torch_compile), `trl` (TRL's own SFT script, as `trl sft` runs it on one GPU, with the flags a
+  careful user gives: TRL_SFT_FLAGS and the best attention the machine has);
 - data: `chat` (conversations whose lengths follow LMSYS-Chat-1M's published statistics, CHAT_LENGTHS; cut at 4096),
   `full` (every example 4096 tokens: NeMo's own setting), `demo` (the shipped dates, about 66 tokens an example).
 
@@ -197,7 +198,8 @@ def dataset(kind: str, work: Path, tokenizer, steps: int) -> Path:
 
 
 def recipe_command(setup: str, model: Path, data: Path, out: Path, steps: int, row_tokens: int) -> list[str]:
-    flags = {"recipe": [], "recipe-qlora": ["--use_4bit_quantization", "true"], "recipe-loop": []}[setup]
+    flags = {"recipe": [], "recipe-qlora": ["--use_4bit_quantization", "true"], "recipe-loop": [],
+             "recipe-liger": ["--use_liger_kernels", "true"], "recipe-compile": ["--torch_compile", "true"]}[setup]
     kernel = ["--use_flash_attn", "true"] if torch.cuda.is_available() and setup != "recipe-loop" else []
     return ["train.py", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
             "--eval_num_prompts", "0", "--output_dir", str(out), "--overwrite_output_dir", "true", "--max_steps",

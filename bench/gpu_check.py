@@ -57,7 +57,7 @@ SITE = Path("/tmp/site")
 # What the GPU machine lacks, or has at another version (its image: torch 2.11, transformers 5.17, accelerate 1.15, ...)
 WHEELS = ["transformers==5.23.0", "trl==1.16.0", "peft==0.21.2", "bitsandbytes==0.50.2", "datasets==5.2.0",
           "dill==0.4.1", "multiprocess==0.70.19", "pydantic==2.14.4", "pydantic_core==2.50.5",
-          "annotated-types==0.8.0", "typing-inspection==0.4.5", "hjson==3.1.0"]
+          "annotated-types==0.8.0", "typing-inspection==0.4.5", "hjson==3.1.0", "liger-kernel==0.8.5"]
 DEEPSPEED = "deepspeed==0.19.8"  # a source archive on PyPI: built into a wheel here; its ops compile just in time there
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]

@@ -106,6 +106,12 @@ CASES = [
     (checks.flash_attention,  # flash-attn alone is enough too
      (["--use_flash_attn", "true"], None, {"cuda": True}),
      (["--use_flash_attn", "true"], None, {"cuda": True, "flash_attn": True}), "error"),
+    (checks.liger_kernels,
+     (["--use_liger_kernels", "true"], None, {"cuda": False}), (["--use_liger_kernels", "false"], None, {"cuda": False}),
+     "error"),
+    (checks.liger_kernels,  # a GPU here, but no liger-kernel package
+     (["--use_liger_kernels", "true"], None, {"cuda": True}),
+     (["--use_liger_kernels", "true"], None, {"cuda": True, "here": False}), "error"),
     (checks.fp16_without_gpu,
      (["--fp16", "true", "--bf16", "false"], None, {"cuda": False}),
      (["--fp16", "true", "--bf16", "false"], None, {"cuda": True}), "error"),
