@@ -167,6 +167,7 @@ class Configuration:
     cpu_engine: str | None = None  # "fsdp" or "deepspeed" on a host without accelerator (accelerate would drop it)
     environment: dict[str, str] = field(default_factory=dict)  # exported before the trainer is built
     compile_each_layer: bool = False  # --torch_compile, one graph per decoder layer (fast_paths.compile_settings)
+    compile_when_repaid: bool = False  # compile each decoder layer mid-run once its steps repay it (CompileWhenRepaid)
     data_processes: int = 1  # processes that tokenize the data on each rank (training_data.map_in_processes)
     publish_to: str | None = None  # the Hub repo export.publish uploads to at the end (the Trainer never pushes)
     hub_token: str | None = field(default=None, repr=False)  # kept out of `training`, which is pickled to disk
@@ -417,6 +418,8 @@ def decide_fused_layers(config: Configuration) -> None:
 
 
 def decide_compile(config: Configuration) -> None:
+    if "torch_compile" not in config.given and not config.training.torch_compile:
+        decide_compile_when_repaid(config)
     if config.training.torch_compile:
         config.environment, compiled = compile_settings(config.launch.env)
         config.compile_each_layer = compiled == "each decoder layer"
@@ -436,6 +439,28 @@ def decide_data_processes(config: Configuration) -> None:
         why = f"{cores} cores" + (f" over {ranks} ranks on this machine" if ranks > 1 else "")
     config.decisions.append(Decision("tokenizing processes per rank", config.data_processes, why + "; each takes a "
                                      f"part of at least {EXAMPLES_PER_PROCESS} examples, in order"))
+
+
+def decide_compile_when_repaid(config: Configuration) -> None:
+    """--torch_compile unset: on one CPU process, compiled mid-run once the eager steps show the rest repay it."""
+    from fast_paths import COMPILE_SECONDS, COMPILED_STEP_RATIO, EAGER_STEPS_MEASURED, REPAY_MARGIN
+
+    device = "cuda" if config.facts.cuda else "cpu"
+    if device not in COMPILED_STEP_RATIO:
+        why = ("not measured on a GPU yet (the GPU check's recipe-compile run measures it); --torch_compile true "
+               "compiles each decoder layer")
+    elif config.launch.num_processes > 1:
+        why = "compiling mid-run is for one process; --torch_compile true compiles each decoder layer from the start"
+    else:
+        config.compile_when_repaid = True
+        config.decisions.append(Decision(
+            "torch_compile", f"after step {1 + EAGER_STEPS_MEASURED} if the steps left repay it",
+            f"each decoder layer is compiled once {EAGER_STEPS_MEASURED} eager steps after the first show that the "
+            f"steps left save more than compiling costs (a compiled step measured at {COMPILED_STEP_RATIO[device]} of "
+            f"an eager one, compiling {COMPILE_SECONDS[device]:.0f} s, counted {REPAY_MARGIN:.0f}x); "
+            "--torch_compile true or false decides instead"))
+        return
+    config.decisions.append(Decision("torch_compile", False, why))
 
 
 def decide_publishing(config: Configuration) -> None:

@@ -373,6 +373,41 @@ def attention_for(model_config) -> tuple[str, str]:
                              "(fast_paths.py)")
 
 
+# --torch_compile left unset on one CPU process: each decoder layer is compiled once the first eager steps show that
+# the steps left repay it. Measured with bench/compile_payback.py on a 2-core AMX Xeon (SmolLM2-135M, the demo's
+# batches, inductor): a compiled step took COMPILED_STEP_RATIO of an eager one, and compiling took COMPILE_SECONDS.
+# Both are counted twice as pessimistic (REPAY_MARGIN): a slower CPU compiles slower too.
+COMPILED_STEP_RATIO = {"cpu": 0.74}
+COMPILE_SECONDS = {"cpu": 45.0}
+REPAY_MARGIN = 2.0
+EAGER_STEPS_MEASURED = 3  # after the first, which carries the warm-up
+
+
+def compile_repays(eager_step_seconds: float, steps_left: int, device: str) -> tuple[bool, float, float]:
+    """Whether compiling now repays itself over `steps_left` steps, with the seconds it would save and cost (the
+    cost with its margin)."""
+    saved = steps_left * eager_step_seconds * (1 - COMPILED_STEP_RATIO[device])
+    cost = COMPILE_SECONDS[device] * REPAY_MARGIN
+    return saved > cost, saved, cost
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers: its modules of the classes it names as never to be split (_no_split_modules)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    return [module for module in base.modules() if type(module).__name__ in names]
+
+
+def compile_each_layer(model, backend: str = "inductor") -> int:
+    """Compile each decoder layer in place for any length, as --torch_compile's regional compilation does; the
+    embedding's output then needs grad, so the first layer shares the others' graph. Returns the layers compiled."""
+    model.enable_input_require_grads()
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(backend=backend, dynamic=True)
+    return len(layers)
+
+
 def compile_settings(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
     """`--torch_compile`: unless the launch environment `env` says otherwise, compile each decoder layer (one graph
     serves them all, so it compiles in a fraction of the whole model's time) for any length (padding-free batches

@@ -40,6 +40,7 @@ from checks import Problem, preflight
 from configuration import Configuration, gather, memory_plan, planned_run, settle
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
+from fast_paths import EAGER_STEPS_MEASURED, compile_each_layer, compile_repays
 from launch import Launch
 from moe import mark_zero3_leaves
 from report import TRAINING_KEYS, write_run_report
@@ -97,6 +98,8 @@ def run(argv: list[str]):
                    truncated_supervised_tokens=sum(t.lost for t in data.truncated), train_loss=result.training_loss,
                    train_steps=result.global_step,
                    step_seconds=step_times.seconds, seconds_to_first_step=step_times.seconds_to_first_step(),
+                   compiled_after_step=next((c.compiled_after_step for c in trainer.callback_handler.callbacks
+                                             if isinstance(c, CompileWhenRepaid)), None),
                    memory_by_rank=every_rank(peaks.phases),
                    memory_plan=planned_phases(config, data))
     if config.data.eval_split and config.training.eval_strategy == "no" and config.launch.num_processes == 1:
@@ -254,6 +257,37 @@ class StepTimes(TrainerCallback):
         return statistics.median(self.seconds[1:]) if len(self.seconds) >= 3 else None
 
 
+class CompileWhenRepaid(TrainerCallback):
+    """--torch_compile left unset on one CPU process: after the first step and EAGER_STEPS_MEASURED more, compile each
+    decoder layer if the steps left repay it (fast_paths.compile_repays), and say why either way."""
+
+    def __init__(self, device: str, backend: str):
+        self.device, self.backend = device, backend
+        self.seconds: list[float] = []
+        self._last = 0.0
+        self.compiled_after_step: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last = time.perf_counter()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        now = time.perf_counter()
+        self.seconds.append(now - self._last)
+        self._last = now
+        if len(self.seconds) != 1 + EAGER_STEPS_MEASURED:
+            return
+        eager, left = statistics.median(self.seconds[1:]), state.max_steps - state.global_step
+        repays, saved, cost = compile_repays(eager, left, self.device)
+        figures = (f"the {left} steps left at {eager:.2f} s each would save about {saved:.0f} s, compiling costs "
+                   f"about {cost:.0f} s (counted twice)")
+        if repays:
+            log(f"torch_compile: compiling each of {compile_each_layer(model, self.backend)} decoder layers now: "
+                + figures)
+            self.compiled_after_step = state.global_step
+        else:
+            log(f"torch_compile: staying eager: {figures}")
+
+
 class TrainPhase(TrainerCallback):
     """The train phase of PhasePeaks starts once the engine has placed the weights and ends with the last step."""
 
@@ -286,6 +320,10 @@ def build_trainer(config: Configuration, model, data: TrainingData):
         # compiled graph serves them all (it had its own: 30 s more of compiling on a 2 GHz CPU, measured)
         model.enable_input_require_grads()
     step_times = StepTimes()
+    callbacks = [step_times]
+    if config.compile_when_repaid:
+        callbacks.append(CompileWhenRepaid(config.training.device.type, config.training.torch_compile_backend or
+                                           "inductor"))
     trainer = trainer_class(config.cpu_engine, config.launch)(
         signals=StopOnSignal(),  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
         resume=config.training.resume_from_checkpoint,
@@ -295,7 +333,7 @@ def build_trainer(config: Configuration, model, data: TrainingData):
         eval_dataset=data.evaluation(config.data.eval_split, config.data.max_eval_samples),
         processing_class=config.facts.tokenizer,
         peft_config=build_peft_config(config.model, config.facts.added_token_ids, model),
-        callbacks=[step_times],
+        callbacks=callbacks,
     )
     if config.uses_peft and config.base_model_id:  # what adapter_config.json records: not a path on this disk
         for peft_config in trainer.model.peft_config.values():

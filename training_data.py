@@ -395,7 +395,7 @@ def map_in_processes(dataset, function, processes: int, desc: str, **map_options
         return dataset.map(function, desc=desc, **map_options)
     import multiprocessing
 
-    from datasets import concatenate_datasets, load_from_disk
+    from datasets import Dataset, concatenate_datasets
 
     folder = Path(tempfile.mkdtemp(prefix="recipe-map-"))
     try:
@@ -413,17 +413,19 @@ def map_in_processes(dataset, function, processes: int, desc: str, **map_options
             if worker.exitcode != 0:
                 raise RuntimeError(f"{desc}: worker {index} of {processes} ended with exit code {worker.exitcode}")
         # Memory-mapped, as one process's map cache is: the files stay readable once their folder is removed below
-        return concatenate_datasets([load_from_disk(str(folder / str(index))) for index in range(processes)])
+        return concatenate_datasets([Dataset.from_file(str(folder / f"{index}.arrow")) for index in range(processes)])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def _map_part(dataset, index: int, parts: int, function, map_options: dict, folder: Path) -> None:
+    """One worker's part, written once: straight to the Arrow file the parent maps (no second copy)."""
     from datasets.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # one line from the parent instead of a bar per worker
     try:
-        dataset.shard(parts, index, contiguous=True).map(function, **map_options).save_to_disk(str(folder / str(index)))
+        dataset.shard(parts, index, contiguous=True).map(function, cache_file_name=str(folder / f"{index}.arrow"),
+                                                         **map_options)
     except BaseException as err:
         try:
             error = pickle.dumps(err)

@@ -186,6 +186,16 @@ def test_gpu_figures_in_the_docs_are_what_gpu_tables_makes_of_their_results_file
         assert written == block, f"{document.name}'s {name} block: run bench/gpu_tables.py --write"
 
 
+def test_the_trl_sft_command_in_the_docs_is_the_one_the_speed_part_runs():
+    import re
+
+    import gpu_benchmark
+
+    text = (REPO / "docs" / "gpu-check.md").read_text()
+    written = re.search(r"```bash\n(trl sft .*?)\n```", text, re.S).group(1)
+    assert " ".join(written.replace("\\\n", " ").split()) == gpu_benchmark.trl_sft_command_line()
+
+
 def test_nemo_lora_count_gives_nemo_automodels_published_llama_3_8b_figure():
     """NeMo AutoModel's LoRA table: Llama3 8B, 2 x 4096 tokens, one H100, 402 TFLOP/s at 12,472.87 tokens/s."""
     from memory import load_config

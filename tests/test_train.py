@@ -99,6 +99,41 @@ def test_torch_compile_compiles_each_decoder_layer_and_trains_as_eager(tiny_mode
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=2e-3)
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("repaid", [True, False], ids=["compiles", "stays-eager"])
+def test_a_run_left_to_its_default_compiles_its_layers_once_the_steps_left_repay_it(
+        tiny_model_dir, chat_dir, tmp_path, capsys, monkeypatch, repaid):
+    """--torch_compile unset on one CPU process: after the first step and 3 more, each decoder layer is compiled when
+    the steps left save more than compiling costs (here made free, or dear), and the run trains on. Through dynamo
+    and AOTAutograd, as the test above (inductor builds C++ that says nothing more here)."""
+    import fast_paths
+
+    monkeypatch.setitem(fast_paths.COMPILE_SECONDS, "cpu", 0.0 if repaid else 1e6)
+    monkeypatch.setattr(train, "compile_each_layer", lambda model, backend: fast_paths.compile_each_layer(
+        model, "aot_eager"))
+    trainer, summary = train.run(tiny_run_args(tiny_model_dir, chat_dir, tmp_path / "out", "--max_steps", "6",
+                                               "--splits", "train"))
+    out = capsys.readouterr().out
+    assert "torch_compile = after step 4 if the steps left repay it" in out
+    layers = fast_paths.decoder_layers(trainer.model)
+    assert len(layers) == 2 and len(losses(trainer.state.log_history)) == 6
+    if repaid:
+        assert "torch_compile: compiling each of 2 decoder layers now: the 2 steps left" in out
+        assert summary["compiled_after_step"] == 4 and all(layer._compiled_call_impl is not None for layer in layers)
+    else:
+        assert "torch_compile: staying eager: the 2 steps left" in out and summary["compiled_after_step"] is None
+        assert all(layer._compiled_call_impl is None for layer in layers)
+
+
+def test_compiling_repays_when_the_steps_left_save_more_than_twice_its_cost():
+    from fast_paths import COMPILE_SECONDS, COMPILED_STEP_RATIO, compile_repays
+
+    saving_per_step = 2.0 * (1 - COMPILED_STEP_RATIO["cpu"])
+    enough = int(2 * COMPILE_SECONDS["cpu"] / saving_per_step) + 1
+    assert compile_repays(2.0, enough, "cpu")[0] and not compile_repays(2.0, enough - 2, "cpu")[0]
+    assert compile_repays(2.0, 10, "cpu")[1] == pytest.approx(10 * saving_per_step)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_without_chatml(tmp_path_factory):
     """A byte-level BPE tokenizer with only <s>, </s>, <unk>: the chatml template must add its two tokens."""
