@@ -1,7 +1,7 @@
 """What `--torch_compile` costs and saves on this machine: the figures behind fast_paths.COMPILED_STEP_RATIO and
 COMPILE_SECONDS, which decide whether a run left to its default compiles its decoder layers mid-run.
 
-    .venv/bin/python bench/compile_payback.py --steps 24 --repeats 2
+    .venv/bin/python bench/compile_payback.py --steps 24 --repeats 2   # 2026-12-05's run: bench/compile_payback.json
 
 Runs the default recipe (SmolLM2-135M, the demo's batches) eager and with `--torch_compile true` (each decoder layer,
 inductor), alternated, each a fresh process with torch's compile caches in a fresh folder (as a user's first run),

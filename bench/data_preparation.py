@@ -45,10 +45,11 @@ def write_conversations(path: Path, examples: int, seed: int = 0) -> None:
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
-def prepare_once(data_dir: str, cores: int, pin: bool = True, queue=None) -> dict:
+def prepare_once(data_dir: str, cores: int, pin: bool = True, per_process: int | None = None, queue=None) -> dict:
     """train.py's preparation of the train split with `cores` tokenizing processes (held to that many cores where
     `pin`: ranks started together are left to the scheduler, as train.py's are), timed from the start of loading to
-    the tokenized dataset; a digest of its tokens and labels."""
+    the tokenized dataset; a digest of its tokens and labels. `per_process`: the fewest examples a tokenizing process
+    takes (training_data.EXAMPLES_PER_PROCESS unless given)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import hashlib
 
@@ -56,9 +57,12 @@ def prepare_once(data_dir: str, cores: int, pin: bool = True, queue=None) -> dic
 
     from arguments import ModelArguments
     from model_files import convert_default_model
+    import training_data
     from training_data import prepare
     from utils import build_tokenizer
 
+    if per_process is not None:
+        training_data.EXAMPLES_PER_PROCESS = per_process
     if pin:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])  # the workers it forks inherit it
     datasets.disable_caching()  # every run tokenizes, as a first run on a fresh cache does
@@ -95,12 +99,14 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=200_000)
     parser.add_argument("--processes", type=int, default=2, help="ranks started together; 0: one rank only")
+    parser.add_argument("--examples_per_process", type=int, help="the fewest examples a tokenizing process takes "
+                        "(default: training_data.EXAMPLES_PER_PROCESS)")
     args = parser.parse_args(argv)
     cpus = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as folder:
         write_conversations(Path(folder) / "train.jsonl", args.examples)
-        one = in_process(prepare_once, folder, 1)
-        two = in_process(prepare_once, folder, 2) if cpus >= 2 else None
+        one = in_process(prepare_once, folder, 1, True, args.examples_per_process)
+        two = in_process(prepare_once, folder, 2, True, args.examples_per_process) if cpus >= 2 else None
         context = multiprocessing.get_context("spawn")
         queue = context.Queue()
         share = max(1, cpus // max(args.processes, 1))
