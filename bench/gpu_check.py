@@ -260,6 +260,8 @@ def attention(dry_run: bool) -> dict:
     """Each family's packed rows through each packed attention this machine runs, against each example alone through
     the family's eager attention: in bf16 on a GPU (the reference's own distance from fp32 beside it), fp32 on CPU
     (the forward only for FlexAttention, which has no CPU backward); and the calls that wait for the device."""
+    import contextlib
+
     import torch
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -286,11 +288,12 @@ def attention(dry_run: bool) -> dict:
                      for key, value in packed_batch(examples).items()}
             batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = packed_batch(examples)["cu_seq_lens_q"].to(device)
             batch[EXAMPLE_LENGTHS] = tuple(LENGTHS)
-            with packed_rows(batch):
+            forward_only = attention_name == FLEX_ATTENTION and device != "cuda"  # no FlexAttention backward on CPU
+            with packed_rows(batch), torch.no_grad() if forward_only else contextlib.nullcontext():
                 logits = model(**batch, use_cache=False).logits[0]
                 parts = logits.split(LENGTHS)
                 loss = sum(token_log_likelihood(part.float(), x) for part, x in zip(parts, examples))
-        if attention_name != FLEX_ATTENTION or device == "cuda":
+        if loss.requires_grad:
             loss.backward()
         grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
         return logits.float().detach(), grads

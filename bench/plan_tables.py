@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # where the blocks may be
+DOCUMENTS = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # where the blocks may be
 MODEL_FLAGS = ["--check", "--accelerate_config", "configs/fsdp2_config_qlora.yaml", "--gpu_gib", "24",
                "--use_4bit_quantization", "true", "--max_length", "2048", "--per_device_train_batch_size", "2",
                "--gradient_accumulation_steps", "4", "--eval_num_prompts", "0"]
@@ -201,15 +201,21 @@ def write_blocks(made: dict[str, str], tool: str = "plan_tables.py") -> None:
         print(f"{document.relative_to(REPO)}: {name} rewritten")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def blocks_command(make_blocks, description: str, argv: list[str] | None = None,
+                   tool: str = "plan_tables.py") -> None:
+    """A script that prints the blocks `make_blocks()` makes, or (--write) rewrites them where they are."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="rewrite the blocks where they are written")
     args = parser.parse_args(argv)
-    made = blocks()
+    made = make_blocks()
     if not args.write:
         print("\n\n".join(f"<!-- {name} -->\n{text}" for name, text in made.items()))
         return
-    write_blocks(made)
+    write_blocks(made, tool)
+
+
+def main(argv: list[str] | None = None) -> None:
+    blocks_command(blocks, __doc__, argv)
 
 
 if __name__ == "__main__":

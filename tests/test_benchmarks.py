@@ -173,17 +173,17 @@ def test_readme_memory_figures_are_what_the_planner_makes_of_them():
         assert written == block, f"{document.name}'s {name} block: run bench/plan_tables.py --write"
 
 
-def test_gpu_figures_in_the_docs_are_what_gpu_tables_makes_of_their_results_files():
-    """Every GPU figure block in README.md and docs/ is bench/gpu_tables.py's output for the results file it names: a
-    hand edit, or a change to how a figure is made, fails here until `bench/gpu_tables.py --write` is run."""
-    import gpu_tables
+def test_measured_figures_in_the_docs_are_what_figures_makes_of_their_results_files():
+    """Every figure block in README.md, bench/README.md and docs/ is bench/figures.py's output for the results file it
+    names: a hand edit, or a change to how a figure is made, fails here until `bench/figures.py --write` is run."""
+    import figures
     import plan_tables
 
-    made = gpu_tables.blocks()
-    assert {name.split()[0] for name in made} >= {"speed", "speed-line", "launchers"}
+    made = figures.blocks()
+    assert {name.split()[0] for name in made} >= {"speed", "speed-line", "launchers", "data-preparation"}
     for name, block in made.items():
-        document, written = plan_tables.written_block(name, gpu_tables.TOOL)
-        assert written == block, f"{document.name}'s {name} block: run bench/gpu_tables.py --write"
+        document, written = plan_tables.written_block(name, figures.TOOL)
+        assert written == block, f"{document.name}'s {name} block: run bench/figures.py --write"
 
 
 def test_the_trl_sft_command_in_the_docs_is_the_one_the_speed_part_runs():

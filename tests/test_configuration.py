@@ -161,7 +161,10 @@ DECISIONS = [
     ("experts", ([], MIXTRAL), ([], LLAMA)),
     ("loading", ([], {"launch": FSDP2_FROM_RANK0}), ([], {})),
     ("engine on CPU", ([], {"launch": FSDP2_FROM_RANK0}), ([], {})),
-    ("torch_compile", (["--torch_compile", "true"], {}), ([], {})),
+    ("torch_compile", (["--torch_compile", "true"], {}), (["--torch_compile", "false"], {})),
+    ("per_device_train_batch_size", (["--gradient_accumulation_steps", "4"], {**GPU_HERE, **LLAMA}),
+     (["--gradient_accumulation_steps", "4", "--per_device_train_batch_size", "8"], {**GPU_HERE, **LLAMA})),
+    ("fused layers", ([], GPU_HERE), ([], {})),
     ("publish to", (["--push_to_hub", "true"], {}), ([], {})),
     ("hub_token", (["--hub_token", "hf_x"], {}), ([], {})),
 ]

@@ -1,10 +1,11 @@
-"""The GPU figures in README.md and docs/, made from the GPU check's results files, never typed by hand.
+"""Measured figures in README.md and docs/, made from the results files the benchmarks write, never typed by hand.
 
-    .venv/bin/python bench/gpu_tables.py           # prints every block the documents hold, made again
-    .venv/bin/python bench/gpu_tables.py --write   # rewrites them where they are
+    .venv/bin/python bench/figures.py           # prints every block the documents hold, made again
+    .venv/bin/python bench/figures.py --write   # rewrites them where they are
 
-A block names the results file it is made from (under bench/gpu_check_results/), so each dated table stays with its
-run: `<!-- gpu_tables.py: KIND FILE.json -->` ... `<!-- /gpu_tables.py -->`. Kinds:
+A block names the results file it is made from (a path under bench/), so each dated table stays with its run:
+`<!-- figures.py: KIND FILE.json -->` ... `<!-- /figures.py -->`. Kinds, from the GPU check's results
+(gpu_check_results/):
 
 - `speed`: the speed part's runs, a row each: tokens/s, MFU (as this project counts and, where recorded, as NeMo
   AutoModel counts), the first step, GPU memory against the plan; runs of a data set beside `trl sft`'s on it show the
@@ -12,23 +13,26 @@ run: `<!-- gpu_tables.py: KIND FILE.json -->` ... `<!-- /gpu_tables.py -->`. Kin
 - `speed-line`: the same in one sentence, for the README.
 - `profile`: where one step's GPU time went, and the calls that waited for the GPU, per run that recorded them.
 - `launchers`: each launcher's run: seconds, losses, the reloaded adapter's logits against the trained model's, memory.
+
+and from bench/data_preparation.py's (data_preparation.json):
+
+- `data-preparation`: one rank's preparation on one core and on two, and ranks at once.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "gpu_check_results"
+RESULTS = REPO / "bench"
 sys.path.insert(0, str(REPO / "bench"))
 
-from plan_tables import DOCUMENTS, write_blocks  # noqa: E402
+from plan_tables import DOCUMENTS, blocks_command  # noqa: E402
 
-TOOL = "gpu_tables.py"
+TOOL = "figures.py"
 LAUNCHER_NAMES = {"fsdp1-qlora-offload": "FSDP1 QLoRA + CPU offload", "fsdp2-lora": "FSDP2 LoRA",
                   "zero3-lora": "ZeRO-3 LoRA", "zero3-qlora": "ZeRO-3 QLoRA"}
 DATA_NAMES = {"chat": "chat lengths (LMSYS-Chat-1M)", "full": "full 4096-token sequences", "demo": "demo dates"}
@@ -112,7 +116,19 @@ def launchers_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-KINDS = {"speed": speed_table, "speed-line": speed_line, "profile": profile_table, "launchers": launchers_table}
+def data_preparation_table(results: dict) -> str:
+    r = results
+    return "\n".join([
+        "| conversations | tokens | one core | two cores | identical tokens | 2 ranks at once, a core each | ranks apart |",
+        "|---|---|---|---|---|---|---|",
+        f"| {r['examples']:,} | {r['tokens'] / 1e6:.1f}M | {r['seconds_one_core']} s ({r['examples_per_second_one_core']} "
+        f"conversations/s) | {r['seconds_two_cores']} s ({r['two_cores_speedup']}x) | "
+        f"{'yes' if r['identical_tokens'] else 'NO'} | {' s and '.join(map(str, r['seconds_together']))} s | "
+        f"{r['spread_seconds']} s |"])
+
+
+KINDS = {"speed": speed_table, "speed-line": speed_line, "profile": profile_table, "launchers": launchers_table,
+         "data-preparation": data_preparation_table}
 
 
 def block(name: str) -> str:
@@ -131,14 +147,7 @@ def blocks() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="rewrite the blocks where they are written")
-    args = parser.parse_args(argv)
-    made = blocks()
-    if not args.write:
-        print("\n\n".join(f"<!-- {name} -->\n{text}" for name, text in made.items()))
-        return
-    write_blocks(made, TOOL)
+    blocks_command(blocks, __doc__, argv, TOOL)
 
 
 if __name__ == "__main__":
