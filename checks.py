@@ -137,7 +137,20 @@ def flash_attention(s: Configuration) -> Problem | None:
                        f"{torch_varlen_attn()[1]}, and flash-attn is not installed",
                        "install the pinned torch (2.13 ships the kernel), or drop the flag (sdpa runs once per packed "
                        "example)")
+    if s.attention == KERNEL_ATTENTION and not s.facts.flash_attn and not s.facts.torch_varlen_windows and \
+            has_sliding_window(s.facts.model_config):
+        return Problem("error", "--use_flash_attn on a model with a sliding window, and this torch's varlen kernel has "
+                       "none", "it cannot keep attention within the window the model was trained with",
+                       "install the pinned torch (2.13's kernel takes the window), or drop the flag")
     return None
+
+
+def has_sliding_window(model_config) -> bool:
+    """Some of the model's layers attend within a sliding window (Mistral, Qwen2/3 with use_sliding_window, Gemma-2/3,
+    Phi-3, gpt-oss)."""
+    text = model_config.get_text_config() if model_config is not None else None
+    return (getattr(text, "sliding_window", None) is not None
+            and getattr(text, "use_sliding_window", True) is not False)
 
 
 def liger_kernels(s: Configuration) -> Problem | None:

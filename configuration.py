@@ -22,7 +22,7 @@ import torch
 from arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, ModelArguments, Request,
                        parse_arguments)
 from fast_paths import (ATTENTION, EAGER_ATTENTION, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for,
-                        compile_settings)
+                        compile_settings, torch_varlen_windows)
 from hardware import has_torch_varlen_attn, is_flash_attn_installed, is_liger_kernel_installed, native_bf16_supported
 from launch import Launch, launch_environment
 from memory import GIB
@@ -52,6 +52,7 @@ class Facts:
     native_bf16: bool = False  # bf16 matmuls run natively (hardware.native_bf16_supported; RECIPE_NATIVE_BF16 overrides)
     flash_attn: bool = False  # the flash-attn package is installed
     torch_varlen: bool = False  # the running torch ships FlashAttention-2's varlen kernel (fast_paths.torch_varlen_attn)
+    torch_varlen_windows: bool = False  # ... with sliding windows (torch 2.13's does)
     liger: bool = False  # the liger-kernel package is installed
     gpu_gib: float | None = None  # memory of each GPU: this machine's, or --gpu_gib
     host_gib: float | None = None  # host RAM available when the run starts
@@ -125,7 +126,8 @@ def gather(request: Request) -> Facts:
     except ValueError as err:  # a RECIPE_NATIVE_BF16 value it does not know
         raise ConfigError(str(err)) from None
     facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16, flash_attn=is_flash_attn_installed(),
-                  torch_varlen=has_torch_varlen_attn(), liger=is_liger_kernel_installed(),
+                  torch_varlen=has_torch_varlen_attn(), torch_varlen_windows=torch_varlen_windows(),
+                  liger=is_liger_kernel_installed(),
                   gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
                   model_config=read_model_config(model.model_name_or_path, trust, token))
     folder = Path(model.model_name_or_path)

@@ -198,16 +198,43 @@ def is_packed_row(query: torch.Tensor, key: torch.Tensor, cu_seq_lens_q, module)
 
 
 def torch_varlen_attn():
-    """torch's FlashAttention-2 varlen kernel, `(varlen_attn, None)`, where the running torch has it with causal windows
-    and grouped heads (torch 2.13 does; a GPU machine's torch may be older), else `(None, why not)`."""
+    """torch's FlashAttention-2 varlen kernel as `(kernel, None)`, or `(None, why not)`; `kernel(q, k, v, bounds,
+    longest, scale, window)` takes (tokens, heads, dim) tensors. torch 2.13's `varlen_attn` takes causal windows and
+    grouped heads; an older torch's (a GPU machine's may be older than the pin) takes `is_causal` only: there the
+    key/value heads are repeated for grouped heads, and a sliding window is refused (torch_varlen_windows)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    missing = {"window_size", "enable_gqa"} - set(inspect.signature(varlen_attn).parameters)
-    if missing:
-        return None, f"torch {torch.__version__}'s varlen_attn has no {' or '.join(sorted(missing))} (torch 2.13 has)"
-    return varlen_attn, None
+    parameters = inspect.signature(varlen_attn).parameters
+    if {"window_size", "enable_gqa"} <= set(parameters):
+        def kernel(q, k, v, bounds, longest, scale, window):
+            return varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scale, window_size=window,
+                               enable_gqa=q.shape[1] != k.shape[1])
+        return kernel, None
+    if "is_causal" not in parameters:
+        return None, f"torch {torch.__version__}'s varlen_attn takes neither window_size nor is_causal"
+
+    def causal_kernel(q, k, v, bounds, longest, scale, window):
+        if window != (-1, 0):
+            raise ValueError(f"torch {torch.__version__}'s varlen_attn has no sliding window")
+        if k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        if "scale" in parameters:
+            return varlen_attn(q, k, v, bounds, bounds, longest, longest, is_causal=True, scale=scale)
+        if scale is not None:  # the kernel scales by dim^-0.5
+            q = q * (scale * q.shape[-1] ** 0.5)
+        return varlen_attn(q, k, v, bounds, bounds, longest, longest, is_causal=True)
+    return causal_kernel, None
+
+
+def torch_varlen_windows() -> bool:
+    """torch's varlen_attn takes a sliding window (window_size: torch 2.13 does)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "window_size" in inspect.signature(varlen_attn).parameters
 
 
 @functools.cache
@@ -223,14 +250,10 @@ def varlen_kernel():
             return flash_attn_varlen_func(q, k, v, bounds, bounds, longest, longest, softmax_scale=scale, causal=True,
                                           window_size=window)
         return flash_attn_kernel, "flash-attn's flash_attn_varlen_func"
-    varlen_attn, why_not = torch_varlen_attn()
-    if varlen_attn is None:
+    kernel, why_not = torch_varlen_attn()
+    if kernel is None:
         return None, why_not + " and flash-attn is not installed"
-
-    def torch_kernel(q, k, v, bounds, longest, scale, window):
-        return varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scale, window_size=window,
-                           enable_gqa=q.shape[1] != k.shape[1])
-    return torch_kernel, f"torch {torch.__version__}'s varlen_attn"
+    return kernel, f"torch {torch.__version__}'s varlen_attn"
 
 
 def kernel_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -47,7 +47,7 @@ def is_liger_kernel_installed() -> bool:
 
 
 def has_torch_varlen_attn() -> bool:
-    """The running torch ships FlashAttention-2's varlen kernel with causal windows and grouped heads (CUDA only)."""
+    """The running torch ships FlashAttention-2's varlen kernel (CUDA only)."""
     from fast_paths import torch_varlen_attn
 
     return torch_varlen_attn()[0] is not None

@@ -200,7 +200,11 @@ def dataset(kind: str, work: Path, tokenizer, steps: int) -> Path:
 def recipe_command(setup: str, model: Path, data: Path, out: Path, steps: int, row_tokens: int) -> list[str]:
     flags = {"recipe": [], "recipe-qlora": ["--use_4bit_quantization", "true"], "recipe-loop": [],
              "recipe-liger": ["--use_liger_kernels", "true"], "recipe-compile": ["--torch_compile", "true"]}[setup]
-    kernel = ["--use_flash_attn", "true"] if torch.cuda.is_available() and setup != "recipe-loop" else []
+    from fast_paths import varlen_kernel
+
+    # one kernel per packed row where this machine has one (flash-attn's or torch's): run_summary.json says which ran
+    kernel = (["--use_flash_attn", "true"] if torch.cuda.is_available() and setup != "recipe-loop" and
+              varlen_kernel()[0] is not None else [])
     return ["train.py", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
             "--eval_num_prompts", "0", "--output_dir", str(out), "--overwrite_output_dir", "true", "--max_steps",
             str(steps), "--max_length", str(row_tokens), *COMMON, *LORA, *flags, *kernel]

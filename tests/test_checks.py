@@ -30,6 +30,7 @@ def fired(rule, config):
 
 
 QLORA = ["--use_4bit_quantization", "true", "--bf16", "true"]
+MISTRAL = load_config("configs/models/Mistral-7B-v0.1")  # a sliding window of 4096
 
 CASES = [
     # rule, (argv, launch, facts) that triggers it, the same that does not, the level
@@ -103,6 +104,10 @@ CASES = [
     (checks.flash_attention,  # a GPU here, but neither flash-attn nor a torch with its varlen kernel
      (["--use_flash_attn", "true"], None, {"cuda": True}),
      (["--use_flash_attn", "true"], None, {"cuda": True, "torch_varlen": True}), "error"),
+    (checks.flash_attention,  # a sliding window, and an older torch's kernel without one
+     (["--use_flash_attn", "true"], None, {"cuda": True, "torch_varlen": True, "model_config": MISTRAL}),
+     (["--use_flash_attn", "true"], None, {"cuda": True, "torch_varlen": True, "torch_varlen_windows": True,
+                                           "model_config": MISTRAL}), "error"),
     (checks.flash_attention,  # flash-attn alone is enough too
      (["--use_flash_attn", "true"], None, {"cuda": True}),
      (["--use_flash_attn", "true"], None, {"cuda": True, "flash_attn": True}), "error"),

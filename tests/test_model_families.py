@@ -194,6 +194,37 @@ def test_use_flash_attn_means_one_kernel_per_packed_row(family):
     assert "opt-in (--use_flash_attn true)" in opt_in[0]
 
 
+def test_an_older_torchs_causal_varlen_kernel_gets_every_head_its_keys_and_the_models_scale(monkeypatch):
+    """A torch before window_size and enable_gqa (`varlen_attn(..., is_causal)`, every query head with its own key
+    head, scaled by dim^-0.5): fast_paths repeats grouped key/value heads and folds the model's scale into the
+    queries. The op is stood in for by its own definition, causal attention within each example (it runs on CUDA
+    only), which refuses grouped heads as the op does."""
+    import torch.nn.attention.varlen as varlen
+
+    import fast_paths
+
+    def causal_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        assert is_causal and query.shape[1] == key.shape[1]
+        bounds = cu_seq_q.tolist()
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1) for x in (query, key, value)), is_causal=True).transpose(0, 1)
+            for a, b in zip(bounds, bounds[1:])])
+
+    monkeypatch.setattr(varlen, "varlen_attn", causal_varlen)
+    kernel, why = fast_paths.torch_varlen_attn()
+    assert why is None and not fast_paths.torch_varlen_windows()
+    torch.manual_seed(0)
+    q, k, v = torch.randn(44, 4, 16), torch.randn(44, 2, 16), torch.randn(44, 2, 16)
+    bounds = torch.tensor([0, 21, 35, 44], dtype=torch.int32)
+    out = kernel(q, k, v, bounds, 21, 0.3, (-1, 0))
+    expected = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=0.3, enable_gqa=True).transpose(0, 1)
+        for a, b in zip([0, 21, 35], [21, 35, 44])])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no sliding window"):
+        kernel(q, k, v, bounds, 21, 0.3, (7, 0))
+
+
 def test_the_kernel_refuses_what_it_cannot_compute():
     from fast_paths import kernel_varlen_forward
 
