@@ -35,7 +35,7 @@ if {bf16!r}:
                 parameter.data = parameter.data.to(torch.bfloat16)
         return trainer, step_times
     train.build_trainer = build_trainer
-trainer, summary = train.run(["--overwrite_output_dir", "true", "--output_dir", {out!r}])
+trainer, summary = train.run(["--overwrite_output_dir", "true", "--output_dir", {out!r}, *{extra!r}])
 steps = summary["step_seconds"][1:]
 print("RESULT " + json.dumps({{"train_loss": summary["train_loss"], "eval_loss": summary.get("eval_loss"),
       "exact_match_after": summary.get("exact_match_after"), "step_seconds": statistics.median(steps) if steps else None,
@@ -44,8 +44,8 @@ print("RESULT " + json.dumps({{"train_loss": summary["train_loss"], "eval_loss":
 '''
 
 
-def run(bf16: bool, out: Path) -> dict:
-    code = "import statistics\n" + RUN.format(repo=str(REPO), bf16=bf16, out=str(out))
+def run(bf16: bool, out: Path, extra: list[str]) -> dict:
+    code = "import statistics\n" + RUN.format(repo=str(REPO), bf16=bf16, out=str(out), extra=extra)
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                             env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     line = next((line for line in result.stdout.splitlines() if line.startswith("RESULT ")), None)
@@ -58,7 +58,10 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--max_steps", type=int, help="fewer steps than the default run's 48 (the test's reduced case)")
     args = parser.parse_args(argv)
+    extra = (["--max_steps", str(args.max_steps), "--logging_steps", "1", "--eval_num_prompts", "4"]
+             if args.max_steps else [])
     sys.path.insert(0, str(REPO))
     from hardware import native_bf16_supported
 
@@ -68,7 +71,7 @@ def main(argv=None) -> dict:
     for repeat in range(args.repeats):  # alternated, the order swapped each round: drift hits both alike
         order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
         for name in order:
-            runs[name].append(run(name.startswith("bf16"), REPO / "outputs" / "bench" / name.replace(" ", "-")))
+            runs[name].append(run(name.startswith("bf16"), REPO / "outputs" / "bench" / name.replace(" ", "-"), extra))
             print(f"repeat {repeat + 1}: {name}: {runs[name][-1]['step_seconds']:.3f} s per step", flush=True)
     fp32_steps = [r["step_seconds"] for r in runs["fp32 adapters"]]
     result = {"date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "runs": runs,

@@ -242,3 +242,32 @@ def test_the_plan_holds_the_recorded_gpu_runs(tmp_path):
             assert 0.9 <= train <= 1.1 and 0.4 <= load <= 0.6, row
         else:
             assert abs(train) <= train_within[name] and abs(load) <= 0.05, (name, row)
+
+
+@pytest.mark.e2e
+@pytest.mark.native_bf16
+def test_adapter_dtype_trains_the_default_run_with_each_adapter_dtype(capsys, repeat_without_native_bf16):
+    """bench/adapter_dtype.py, 3 steps a run: bf16 adapters are bf16 and fp32 ones fp32; on a CPU without native bf16
+    it stops with why."""
+    import adapter_dtype
+    from hardware import native_bf16_supported
+
+    if not native_bf16_supported():  # this CPU, or the second pass on one with native bf16
+        with pytest.raises(SystemExit, match="no native bf16"):
+            adapter_dtype.main(["--repeats", "1", "--max_steps", "3"])
+        return
+    result = adapter_dtype.main(["--repeats", "1", "--max_steps", "3"])
+    assert [r["adapter_dtypes"] for r in result["runs"]["bf16 adapters"]] == [["torch.bfloat16"]]
+    assert [r["adapter_dtypes"] for r in result["runs"]["fp32 adapters"]] == [["torch.float32"]]
+    assert all(len(r["losses"]) >= 1 for runs in result["runs"].values() for r in runs)
+
+
+@pytest.mark.e2e
+def test_compile_payback_times_eager_and_compiled_runs_of_the_default_model():
+    """bench/compile_payback.py, 6 steps, once: a compile cost and a compiled-step ratio from the two runs' own step
+    times (their values are this machine's, no verdict)."""
+    import compile_payback
+
+    result = compile_payback.main(["--steps", "6", "--repeats", "1"])
+    assert len(result["compile_seconds"]) == 1 and result["median_compiled_step_ratio"] > 0
+    assert result["median_compile_seconds"] > 0  # the compiled run's first steps carry inductor's work
