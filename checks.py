@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from configuration import Configuration, hub_offline, memory_plan, planned_need
-from fast_paths import KERNEL_ATTENTION
+from fast_paths import KERNEL_ATTENTION, torch_varlen_attn
 from checkpoints import COMPLETE, damage, latest_intact
 from model_files import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
 
@@ -131,8 +131,6 @@ def flash_attention(s: Configuration) -> Problem | None:
                        "torch's) and FlexAttention's backward run on CUDA only",
                        "drop the flag: attention runs once per packed example with sdpa")
     if s.attention == KERNEL_ATTENTION and not (s.facts.flash_attn or s.facts.torch_varlen):
-        from fast_paths import torch_varlen_attn
-
         return Problem("error", "--use_flash_attn but no FlashAttention varlen kernel here",
                        f"{torch_varlen_attn()[1]}, and flash-attn is not installed",
                        "install the pinned torch (2.13 ships the kernel), or drop the flag (sdpa runs once per packed "
@@ -471,8 +469,8 @@ def host_ram_by_phase(s: Configuration) -> Problem | None:
 
 
 RULES: list[Callable[[Configuration], Problem | None]] = [
-    model_source, tokenizer_builds, dataset_source, mxfp4_checkpoint, flash_attention, liger_kernels, bf16_support, fp16_without_gpu,
-    quant_storage_dtype, fsdp2_mixed_precision_casts_4bit, eight_bit_with_fsdp, bnb_optimizer_with_fsdp,
+    model_source, tokenizer_builds, dataset_source, mxfp4_checkpoint, flash_attention, liger_kernels, bf16_support,
+    fp16_without_gpu, quant_storage_dtype, fsdp2_mixed_precision_casts_4bit, eight_bit_with_fsdp, bnb_optimizer_with_fsdp,
     qlora_fsdp_loading, ram_efficient_without_sync, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, fsdp1_on_one_process, deepspeed_set_twice, zero3_non_reentrant,
     single_process_generation, evaluation_without_split, added_tokens_under_fsdp, no_layer_class_to_wrap,

@@ -89,6 +89,7 @@ TRL_SCORES_LABELLED_POSITIONS_ON_CPU = Patch(
     "TRL's fused LM head scores the labelled positions only on Triton devices; CPU runs do the same",
     f"trl {TRL_VERSION}")
 
+
 def _packed_rows_unmasked(preprocess):
     @functools.wraps(preprocess)
     def preprocess_unless_packed(config, inputs_embeds, attention_mask, past_key_values, position_ids, *args,
@@ -96,7 +97,8 @@ def _packed_rows_unmasked(preprocess):
         from fast_paths import PACKED_ATTENTIONS, rows_in_flight
 
         if (config._attn_implementation in PACKED_ATTENTIONS and attention_mask is None and past_key_values is None
-                and position_ids is not None and inputs_embeds.shape[0] == 1 and rows_in_flight(inputs_embeds.shape[1]) is not None):
+                and position_ids is not None and inputs_embeds.shape[0] == 1
+                and rows_in_flight(inputs_embeds.shape[1]) is not None):
             return True, None, None, None, None, None, None  # early exit: no mask
         return preprocess(config, inputs_embeds, attention_mask, past_key_values, position_ids, *args, **kwargs)
     return preprocess_unless_packed

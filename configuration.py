@@ -22,8 +22,8 @@ import torch
 from arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, ModelArguments, Request,
                        parse_arguments)
 from fast_paths import (ATTENTION, EAGER_ATTENTION, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for,
-                        compile_settings, torch_varlen_windows)
-from hardware import has_torch_varlen_attn, is_flash_attn_installed, is_liger_kernel_installed, native_bf16_supported
+                        compile_settings, torch_varlen_attn, torch_varlen_windows)
+from hardware import is_flash_attn_installed, is_liger_kernel_installed, native_bf16_supported
 from launch import Launch, launch_environment
 from memory import GIB
 from model_files import DEFAULT_MODEL_DIR, convert_default_model, gguf_source, hub_id_of
@@ -126,7 +126,7 @@ def gather(request: Request) -> Facts:
     except ValueError as err:  # a RECIPE_NATIVE_BF16 value it does not know
         raise ConfigError(str(err)) from None
     facts = Facts(launch=launch, here=here, cuda=cuda, native_bf16=native_bf16, flash_attn=is_flash_attn_installed(),
-                  torch_varlen=has_torch_varlen_attn(), torch_varlen_windows=torch_varlen_windows(),
+                  torch_varlen=torch_varlen_attn()[0] is not None, torch_varlen_windows=torch_varlen_windows(),
                   liger=is_liger_kernel_installed(),
                   gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
                   model_config=read_model_config(model.model_name_or_path, trust, token))

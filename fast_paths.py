@@ -197,17 +197,33 @@ def is_packed_row(query: torch.Tensor, key: torch.Tensor, cu_seq_lens_q, module)
             and getattr(module, "is_causal", True))
 
 
+def _varlen_parameters() -> set[str] | None:
+    """The parameters of the running torch's `varlen_attn`, or None where it has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return set(inspect.signature(varlen_attn).parameters)
+
+
+def torch_varlen_windows() -> bool:
+    """torch's varlen_attn takes causal windows and grouped heads (torch 2.13's does): torch_varlen_attn calls it
+    with both; an older one is called with is_causal only."""
+    parameters = _varlen_parameters()
+    return parameters is not None and {"window_size", "enable_gqa"} <= parameters
+
+
 def torch_varlen_attn():
     """torch's FlashAttention-2 varlen kernel as `(kernel, None)`, or `(None, why not)`; `kernel(q, k, v, bounds,
     longest, scale, window)` takes (tokens, heads, dim) tensors. torch 2.13's `varlen_attn` takes causal windows and
     grouped heads; an older torch's (a GPU machine's may be older than the pin) takes `is_causal` only: there the
     key/value heads are repeated for grouped heads, and a sliding window is refused (torch_varlen_windows)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    parameters = _varlen_parameters()
+    if parameters is None:
         return None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    parameters = inspect.signature(varlen_attn).parameters
-    if {"window_size", "enable_gqa"} <= set(parameters):
+    from torch.nn.attention.varlen import varlen_attn
+
+    if torch_varlen_windows():
         def kernel(q, k, v, bounds, longest, scale, window):
             return varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scale, window_size=window,
                                enable_gqa=q.shape[1] != k.shape[1])
@@ -226,15 +242,6 @@ def torch_varlen_attn():
             q = q * (scale * q.shape[-1] ** 0.5)
         return varlen_attn(q, k, v, bounds, bounds, longest, longest, is_causal=True)
     return causal_kernel, None
-
-
-def torch_varlen_windows() -> bool:
-    """torch's varlen_attn takes a sliding window (window_size: torch 2.13 does)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return False
-    return "window_size" in inspect.signature(varlen_attn).parameters
 
 
 @functools.cache

@@ -1,5 +1,5 @@
-"""What this machine can do that changes how the recipe runs: native bf16 (else fp32 on a CPU), flash-attn, torch's
-own varlen attention kernel."""
+"""What this machine can do that changes how the recipe runs: native bf16 (else fp32 on a CPU), flash-attn, Liger
+Kernel."""
 
 from __future__ import annotations
 
@@ -44,10 +44,3 @@ def is_flash_attn_installed() -> bool:
 
 def is_liger_kernel_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
-
-
-def has_torch_varlen_attn() -> bool:
-    """The running torch ships FlashAttention-2's varlen kernel (CUDA only)."""
-    from fast_paths import torch_varlen_attn
-
-    return torch_varlen_attn()[0] is not None

@@ -258,25 +258,19 @@ class StepTimes(TrainerCallback):
 
 
 class CompileWhenRepaid(TrainerCallback):
-    """--torch_compile left unset on one CPU process: after the first step and EAGER_STEPS_MEASURED more, compile each
-    decoder layer if the steps left repay it (fast_paths.compile_repays), and say why either way."""
+    """--torch_compile left unset on one CPU process: after the first step and EAGER_STEPS_MEASURED more (timed by
+    `step_times`, a callback before this one), compile each decoder layer if the steps left repay it
+    (fast_paths.compile_repays), and say why either way."""
 
-    def __init__(self, device: str, backend: str):
-        self.device, self.backend = device, backend
-        self.seconds: list[float] = []
-        self._last = 0.0
+    def __init__(self, step_times: StepTimes, device: str, backend: str):
+        self.step_times, self.device, self.backend = step_times, device, backend
         self.compiled_after_step: int | None = None
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._last = time.perf_counter()
-
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        now = time.perf_counter()
-        self.seconds.append(now - self._last)
-        self._last = now
-        if len(self.seconds) != 1 + EAGER_STEPS_MEASURED:
+        seconds = self.step_times.seconds
+        if len(seconds) != 1 + EAGER_STEPS_MEASURED:
             return
-        eager, left = statistics.median(self.seconds[1:]), state.max_steps - state.global_step
+        eager, left = statistics.median(seconds[1:]), state.max_steps - state.global_step
         repays, saved, cost = compile_repays(eager, left, self.device)
         figures = (f"the {left} steps left at {eager:.2f} s each would save about {saved:.0f} s, compiling costs "
                    f"about {cost:.0f} s (counted twice)")
@@ -322,8 +316,8 @@ def build_trainer(config: Configuration, model, data: TrainingData):
     step_times = StepTimes()
     callbacks = [step_times]
     if config.compile_when_repaid:
-        callbacks.append(CompileWhenRepaid(config.training.device.type, config.training.torch_compile_backend or
-                                           "inductor"))
+        callbacks.append(CompileWhenRepaid(step_times, config.training.device.type,
+                                           config.training.torch_compile_backend or "inductor"))
     trainer = trainer_class(config.cpu_engine, config.launch)(
         signals=StopOnSignal(),  # SIGTERM / SIGINT: save a checkpoint at the end of the step, then stop
         resume=config.training.resume_from_checkpoint,
