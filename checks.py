@@ -10,6 +10,7 @@ Errors stop the run; warnings flag risky but legal choices. Nothing here loads w
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -172,8 +173,10 @@ def liger_kernels(s: Configuration) -> Problem | None:
 def bf16_support(s: Configuration) -> Problem | None:
     if s.facts.here and s.training.bf16 and not s.facts.native_bf16:
         device = "GPU" if s.facts.cuda else "CPU"
+        from_launch = s.launch.deepspeed and s.launch.mixed_precision == "bf16"  # the flag follows it there
         return Problem("error", f"--bf16 on a {device} without native bf16",
-                       "emulated bf16 is many times slower than fp32", "pass --bf16 false")
+                       "emulated bf16 is many times slower than fp32",
+                       "launch with --mixed_precision no" if from_launch else "pass --bf16 false")
     return None
 
 
@@ -443,6 +446,24 @@ def resume_checkpoint(s: Configuration) -> Problem | None:
     return None
 
 
+def timeout_shorter_than_the_load(s: Configuration) -> Problem | None:
+    """The other ranks wait in their first collective while rank 0 reads (and quantizes) the base: a timeout the user
+    set below that wait ends the run before it trains."""
+    from configuration import LOAD_MARGIN, load_text
+
+    load = s.load_plan
+    if load is None or "ddp_timeout" not in s.given:
+        return None
+    seconds = load["read"] + load["quantize"]
+    if s.training.ddp_timeout >= seconds:
+        return None
+    return Problem("error", f"--ddp_timeout {s.training.ddp_timeout} is shorter than rank 0's planned load",
+                   f"the other ranks wait for it in their first collective, and would stop after "
+                   f"{s.training.ddp_timeout} s; the load: {load_text(load)}",
+                   f"--ddp_timeout {math.ceil(LOAD_MARGIN * seconds / 60) * 60}, or leave it unset: the recipe then "
+                   "waits for the load and shortens the timeout once the weights are in place")
+
+
 def memory_fit(s: Configuration) -> Problem | None:
     if not (s.facts.gpu_gib and s.facts.model_config is not None and s.facts.cuda):
         return None
@@ -475,7 +496,7 @@ RULES: list[Callable[[Configuration], Problem | None]] = [
     fsdp1_reshard_after_forward_ignored, fsdp1_on_one_process, deepspeed_set_twice, zero3_non_reentrant,
     single_process_generation, evaluation_without_split, added_tokens_under_fsdp, no_layer_class_to_wrap,
     output_dir_holds_another_run, output_dir_writable, resume_checkpoint, token_on_command_line,
-    publishing_a_local_path, memory_fit, host_ram_by_phase,
+    publishing_a_local_path, timeout_shorter_than_the_load, memory_fit, host_ram_by_phase,
 ]
 
 

@@ -371,4 +371,15 @@ PRIVATE_NAMES = [
     ("torch.distributed.fsdp._flat_param", "FlatParameter._fqns", "sharding.gather_fsdp1_adapter: each FSDP1 unit's "
      "own parameter names"),
     ("transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref", "compat.transformers_zero3_hidden"),
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout", "compat.set_collective_timeout: the shorter training "
+     "timeout once the weights are in place (the load's longer one is the process group's from its start)"),
 ]
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """The default process group's timeout from now on (torch's own setter, private in torch 2.13: every backend)."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds))

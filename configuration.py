@@ -10,8 +10,10 @@ Nothing after `settle` changes the configuration: preflight (checks.py) only rea
 
 from __future__ import annotations
 
+import json
+import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -25,16 +27,18 @@ from fast_paths import (ATTENTION, EAGER_ATTENTION, FLEX_ATTENTION, KERNEL_ATTEN
                         compile_settings, torch_varlen_attn, torch_varlen_windows)
 from hardware import is_flash_attn_installed, is_liger_kernel_installed, native_bf16_supported
 from launch import Launch, launch_environment
-from memory import GIB
+from memory import ASSUMED_LOAD_RATES, GIB, LoadRates, load_seconds
 from model_files import DEFAULT_MODEL_DIR, convert_default_model, gguf_source, hub_id_of
 from moe import is_moe
 from training_data import EXAMPLES_PER_PROCESS
-from trainers import CPU_FSDP1_OVERRIDES
+from trainers import cpu_fsdp_overrides
 from utils import build_tokenizer, load_dtype
 
 
-# The recipe's collective timeout for multi-process runs (seconds; --ddp_timeout overrides it).
+# The recipe's collective timeout for multi-process runs (seconds; --ddp_timeout overrides it). While rank 0 loads, the
+# other ranks wait in their first collective: the timeout then covers LOAD_MARGIN times rank 0's planned load.
 COLLECTIVE_TIMEOUT_S = 600
+LOAD_MARGIN = 2
 
 # Any of these in a model folder is a tokenizer to load (fast, sentencepiece, BPE vocabularies)
 TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -62,6 +66,7 @@ class Facts:
     added_token_ids: list[int] = field(default_factory=list)  # tokens that template added to the vocabulary
     tokenizer_problem: str | None = None  # why the tokenizer could not be built
     tokenizer_absent: bool = False  # --check of a model folder without tokenizer files (a config.json alone)
+    load_rates: LoadRates | None = None  # how fast rank 0 reads and quantizes here (multi-process runs: load_rates)
 
     @cached_property
     def meta_model(self):
@@ -130,6 +135,8 @@ def gather(request: Request) -> Facts:
                   liger=is_liger_kernel_installed(),
                   gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
                   model_config=read_model_config(model.model_name_or_path, trust, token))
+    if launch.num_processes > 1 and facts.model_config is not None:
+        facts.load_rates = load_rates(launch, model, here)
     folder = Path(model.model_name_or_path)
     if request.check and folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_SOURCES):
         facts.tokenizer_absent = True  # a config.json alone: everything but the tokenizer can still be checked
@@ -139,6 +146,45 @@ def gather(request: Request) -> Facts:
         except Exception as err:  # a template the tokenizer cannot take, or tokenizer files that do not load
             facts.tokenizer_problem = str(err)
     return facts
+
+
+def load_rates(launch: Launch, model, here: bool) -> LoadRates:
+    """Rank 0's read and quantization rates, measured by rank 0 on its machine and sent to every rank through the
+    launch's rendezvous store before the process group starts (hardware.py's probes: a quarter GiB read cold, a 16 MiB
+    matrix quantized); the assumed rates for a launch checked elsewhere."""
+    if not here:
+        return ASSUMED_LOAD_RATES
+    store = launch.store() if launch.store_address else None
+    key = f"recipe/load-rates/{launch.restart}"
+    if launch.rank != 0 and store is not None:
+        return LoadRates(**json.loads(store.get(key)))
+    from hardware import cold_read_gib_per_s, quantize_gib_per_s
+
+    folder = Path(model.model_name_or_path)
+    read = cold_read_gib_per_s(list(folder.glob("*.safetensors"))) if folder.is_dir() else None
+    quantize = quantize_gib_per_s() if model.use_4bit_quantization else ASSUMED_LOAD_RATES.quantize
+    rates = LoadRates(read=read or ASSUMED_LOAD_RATES.read, quantize=quantize,
+                      source="measured on rank 0's machine" if read else "the read rate assumed (the checkpoint is "
+                      "not a local folder), quantization measured on rank 0's machine")
+    if store is not None:
+        store.set(key, json.dumps(asdict(rates)))
+    return rates
+
+
+def planned_load(facts: Facts, model) -> dict | None:
+    """Rank 0's load in seconds and GiB (memory.load_seconds), where the other ranks wait for it."""
+    if facts.load_rates is None or facts.model_config is None:
+        return None
+    return {**load_seconds(facts.shapes, checkpoint_dtype(facts.model_config), model.use_4bit_quantization,
+                           facts.load_rates), "source": facts.load_rates.source}
+
+
+def load_text(load: dict) -> str:
+    """What the planned load is made of, for the decision and preflight's message."""
+    parts = [f"reading {load['read_gib']:.1f} GiB in {load['read']:.0f} s"]
+    if load["quantize_gib"]:
+        parts.append(f"quantizing {load['quantize_gib']:.1f} GiB in {load['quantize']:.0f} s")
+    return f"{load['read'] + load['quantize']:.0f} s: {' and '.join(parts)}, {load['source']}"
 
 
 @dataclass(frozen=True)
@@ -164,6 +210,9 @@ class Configuration:
     device_map: dict | None = None  # from_pretrained's placement (4-bit on one GPU: bnb quantizes while placing;
     # {"": "meta"}: this rank reads nothing and receives its weights from rank 0)
     place_on: str | None = None  # where the model moves once loaded on the host (a 4-bit MoE on one GPU)
+    load_plan: dict | None = None  # rank 0's planned load, seconds and GiB (planned_load), where others wait for it
+    training_timeout: int | None = None  # the collective timeout once the weights are in place, where it is shorter
+    adapter_dtype: torch.dtype | None = None  # the LoRA weights' dtype where the recipe sets it (decide_adapter_dtype)
     max_length: int | None = None  # tokens per example as the recipe truncates (TRL's own is None when padding-free)
     weights_from_rank0: bool = False  # rank 0 reads the checkpoint, the other ranks receive their shards (sharding.py)
     cpu_engine: str | None = None  # "fsdp" or "deepspeed" on a host without accelerator (accelerate would drop it)
@@ -213,7 +262,8 @@ def settle(request: Request, facts: Facts) -> Configuration:
     from trl import SFTConfig
 
     refuse_engine_flags(request.training)
-    values, decisions = training_values(request, facts)
+    load = planned_load(facts, request.model)
+    values, decisions = training_values(request, facts, load)
 
     def training_arguments(values: dict):
         try:
@@ -228,6 +278,9 @@ def settle(request: Request, facts: Facts) -> Configuration:
                            given=frozenset(request.training), token_on_command_line=request.token_on_command_line,
                            base_model_id=hub_id_of(request.model.model_name_or_path, request.model.base_model_id),
                            dtype=load_dtype(request.model, asked), max_length=asked.max_length)
+    config.load_plan = load
+    if "ddp_timeout" not in request.training and values.get("ddp_timeout", 0) > COLLECTIVE_TIMEOUT_S:
+        config.training_timeout = COLLECTIVE_TIMEOUT_S
     checkpointing_given = checkpointing_asked(request.training)
     for decide in (decide_base_model_id, decide_attention):  # attention before the plan: eager keeps its scores
         decide(config)
@@ -235,7 +288,7 @@ def settle(request: Request, facts: Facts) -> Configuration:
         decide_micro_batch(config)
         decide_activation_checkpointing(config)
     for decide in (decide_checkpointing_kwargs, decide_lengths, decide_placement, decide_loading, decide_cpu_engine,
-                   decide_fsdp1_buffers, decide_fused_layers, decide_compile, decide_data_processes, decide_publishing):
+                   decide_fsdp1_buffers, decide_adapter_dtype, decide_fused_layers, decide_compile, decide_data_processes, decide_publishing):
         decide(config)
     config.training = training_arguments({**values, **config.decided})
     return config
@@ -257,7 +310,7 @@ def checkpointing_asked(given: dict) -> bool:
     return bool({"activation_checkpointing", "gradient_checkpointing"} & set(given))
 
 
-def training_values(request: Request, facts: Facts) -> tuple[dict, list[Decision]]:
+def training_values(request: Request, facts: Facts, load: dict | None = None) -> tuple[dict, list[Decision]]:
     """The SFTConfig's values: the user's, the recipe's defaults, and what the hardware decides where the user set
     nothing (activation checkpointing off until the memory plan decides it)."""
     given, decisions = request.training, []
@@ -278,6 +331,14 @@ def training_values(request: Request, facts: Facts) -> tuple[dict, list[Decision
     else:  # TRL turns bf16 on everywhere; a CPU without it emulates bf16 many times slower than fp32
         default("bf16", facts.native_bf16, f"the {device} runs bf16 natively" if facts.native_bf16 else
                 f"this {device} has no native bf16: emulated it is many times slower than fp32")
+    launch_precision = facts.launch.mixed_precision if facts.launch.deepspeed else "no"
+    if launch_precision in ("bf16", "fp16") and not (values.get("bf16") or values.get("fp16")):
+        # transformers takes the launch's precision when the flags ask for none (TrainingArguments.mixed_precision),
+        # writes it into DeepSpeed's config, then refuses the run because the flag disagrees with that config
+        values.update(bf16=launch_precision == "bf16", fp16=launch_precision == "fp16")
+        decisions.append(Decision(launch_precision, True, f"the accelerate config's mixed_precision: "
+                                  f"{launch_precision} is in effect, as under FSDP, and DeepSpeed's config must agree "
+                                  "with the Trainer's flag; for fp32, launch with --mixed_precision no"))
     if values.get("packing_strategy") == "wrapped":
         default("padding_free", False, "wrapped packing cuts examples anyway; TRL advises against padding-free there")
     else:
@@ -285,10 +346,17 @@ def training_values(request: Request, facts: Facts) -> tuple[dict, list[Decision
     if not checkpointing_asked(given):
         values["activation_checkpointing"] = False  # TRL turns it on; decided from the memory plan
     if facts.launch.num_processes > 1:
-        default("ddp_timeout", COLLECTIVE_TIMEOUT_S, "how long a rank waits in a collective before the run stops "
-                "with an error, so a lost node ends the run within it (transformers' default: 1800 s). It must cover "
-                "the longest wait between ranks: rank 0 reading (and quantizing) the base while the others wait for "
-                "their shards; raise it for a large model on a slow disk")
+        load_s = load["read"] + load["quantize"] if load else 0.0
+        if LOAD_MARGIN * load_s > COLLECTIVE_TIMEOUT_S:
+            default("ddp_timeout", math.ceil(LOAD_MARGIN * load_s / 60) * 60, f"while rank 0 loads, the other ranks "
+                    f"wait in their first collective: {LOAD_MARGIN}x its planned load ({load_text(load)}); once the "
+                    f"weights are in place the timeout is {COLLECTIVE_TIMEOUT_S} s, so a lost node ends the run "
+                    "within it")
+        else:
+            default("ddp_timeout", COLLECTIVE_TIMEOUT_S, "how long a rank waits in a collective before the run stops "
+                    "with an error, so a lost node ends the run within it (transformers' default: 1800 s); it covers "
+                    f"{LOAD_MARGIN}x rank 0's planned load, while the other ranks wait for it"
+                    + (f" ({load_text(load)})" if load else ""))
     return values, decisions
 
 
@@ -389,10 +457,9 @@ def decide_cpu_engine(config: Configuration) -> None:
     config.cpu_engine = "fsdp" if launch.fsdp else "deepspeed"
     config.decisions.append(Decision("engine on CPU", config.cpu_engine, "accelerate drops FSDP and DeepSpeed without "
                                      "an accelerator; the recipe keeps them, over gloo (trainers.CpuEngineSFTTrainer)"))
-    if launch.fsdp and launch.fsdp_version == 1:
-        for setting, (value, why) in CPU_FSDP1_OVERRIDES.items():
-            if launch.fsdp_setting(setting):
-                config.decisions.append(Decision(f"fsdp_{setting.lower()} on CPU", value, why))
+    if launch.fsdp:
+        for setting, (value, why) in cpu_fsdp_overrides(launch).items():
+            config.decisions.append(Decision(f"fsdp_{setting.lower()} on CPU", value, why))
 
 
 def decide_fsdp1_buffers(config: Configuration) -> None:
@@ -408,6 +475,17 @@ def decide_fsdp1_buffers(config: Configuration) -> None:
         config.decisions.append(Decision("fsdp1 buffer dtype", "float32", f"{policy} would have FSDP1 cast every "
                                          "buffer, the rotary embedding's inverse frequencies too, shifting each "
                                          "position's phase with its index"))
+
+
+def decide_adapter_dtype(config: Configuration) -> None:
+    """TRL casts a 4-bit model's LoRA weights to bf16 (SFTTrainer.__init__, after the QLoRA paper). Under float32
+    storage that breaks FSDP1 without autocast: transformers sets FSDP1's policy to the storage dtype, FSDP computes
+    each LoRA layer in float32, and PEFT casts the layer's input to the bf16 it sees outside FSDP's forward."""
+    if config.quantized_4bit and config.uses_peft and config.dtype == torch.float32:
+        config.adapter_dtype = torch.float32
+        config.decisions.append(Decision("LoRA weights", "float32", "4-bit weights stored in float32 (the storage for "
+                                         "mixed precision, whose trained weights are fp32), where FSDP computes the "
+                                         "adapters in float32; TRL would cast them to bf16"))
 
 
 def decide_fused_layers(config: Configuration) -> None:

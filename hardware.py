@@ -44,3 +44,47 @@ def is_flash_attn_installed() -> bool:
 
 def is_liger_kernel_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# How fast this machine loads a checkpoint: what rank 0 of a sharded run needs, while the other ranks wait for it
+
+READ_PROBE_BYTES = 256 * 2**20
+QUANTIZE_PROBE_SHAPE = (2048, 4096)  # 16 MiB of 16-bit weights
+
+
+def cold_read_gib_per_s(files: list[Path]) -> float | None:
+    """The disk's read rate under the checkpoint: the first READ_PROBE_BYTES of its largest file, dropped from the
+    page cache first (posix_fadvise DONTNEED: no root needed), then read once. None without a file to read."""
+    files = [f for f in files if f.is_file() and f.stat().st_size > 0]
+    if not files or not hasattr(os, "posix_fadvise"):
+        return None
+    largest = max(files, key=lambda f: f.stat().st_size)
+    size = min(READ_PROBE_BYTES, largest.stat().st_size)
+    import time
+
+    with open(largest, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, size, os.POSIX_FADV_DONTNEED)
+        start, left = time.perf_counter(), size
+        while left > 0 and (chunk := f.read(min(left, 16 * 2**20))):
+            left -= len(chunk)
+        seconds = time.perf_counter() - start
+    return (size - left) / 2**30 / max(seconds, 1e-6)
+
+
+def quantize_gib_per_s(storage: torch.dtype = torch.bfloat16, nested: bool = True) -> float:
+    """NF4 quantization on this CPU, in GiB of 16-bit weights per second, as rank 0 quantizes while it loads
+    (bitsandbytes' CPU backend packs a weight on its first move): one 16 MiB matrix, after a small one to warm up."""
+    import time
+
+    import bitsandbytes as bnb
+
+    def quantize(rows: int, columns: int) -> float:
+        weight = torch.randn(rows, columns, dtype=torch.bfloat16)
+        start = time.perf_counter()
+        bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=nested,
+                          quant_storage=storage).to("cpu")
+        return weight.numel() * 2 / 2**30 / max(time.perf_counter() - start, 1e-6)
+
+    quantize(256, 256)
+    return quantize(*QUANTIZE_PROBE_SHAPE)

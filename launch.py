@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+STORE_WAIT_S = 600  # what a rank waits for a key another rank sets in the rendezvous store
+
+
 def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     return env.get(name, str(default)).lower() in ("1", "true", "yes")
 
@@ -106,6 +109,33 @@ class Launch:
     @property
     def rank(self) -> int:
         return int(self.env.get("RANK", 0))
+
+    @property
+    def machine_rank(self) -> int:
+        """This machine's rank among the launch's machines (torchrun's GROUP_RANK)."""
+        return int(self.env.get("GROUP_RANK", 0))
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        """Where the launch's rendezvous store listens, which every rank of every machine reaches (torchrun's
+        MASTER_ADDR and MASTER_PORT); None outside a launch."""
+        if "MASTER_ADDR" not in self.env or "MASTER_PORT" not in self.env:
+            return None
+        return self.env["MASTER_ADDR"], int(self.env["MASTER_PORT"])
+
+    def store(self):
+        """A client of the launch's rendezvous store (store_address), which exists before the process group."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        host, port = self.store_address
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_WAIT_S))
+
+    @property
+    def restart(self) -> int:
+        """How many times torchrun has restarted this launch's workers (TORCHELASTIC_RESTART_COUNT)."""
+        return int(self.env.get("TORCHELASTIC_RESTART_COUNT", 0))
 
     @property
     def local_processes(self) -> int:

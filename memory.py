@@ -531,6 +531,29 @@ def plan(shapes: Shapes, run: Run) -> Plan:
     return p
 
 
+@dataclass(frozen=True)
+class LoadRates:
+    """How fast rank 0 reads the checkpoint and (QLoRA) quantizes it on the CPU, GiB per second of what it reads and of
+    16-bit weights (hardware.cold_read_gib_per_s, hardware.quantize_gib_per_s), and where the figures come from."""
+
+    read: float
+    quantize: float
+    source: str
+
+
+# For `--check` of a launch meant for other machines, where nothing can be measured: a disk read at 0.5 GiB/s (a
+# network volume or SATA SSD; local NVMe reads several times faster), and NF4 quantization on one CPU core, which is
+# what each rank gets of a machine's cores (measured on a 2-core Xeon: 0.03-0.05 GiB/s). A run measures its own.
+ASSUMED_LOAD_RATES = LoadRates(read=0.5, quantize=0.04, source="assumed rates (a run measures its own)")
+
+
+def load_seconds(shapes: Shapes, checkpoint_dtype: str, qlora: bool, rates: LoadRates) -> dict[str, float]:
+    """Rank 0's load, in seconds: reading the whole checkpoint, and (QLoRA) quantizing its decoder-layer linears."""
+    read = shapes.total * getattr(torch, checkpoint_dtype).itemsize / GIB
+    quantize = shapes.linear * 2 / GIB if qlora else 0.0
+    return {"read": read / rates.read, "quantize": quantize / rates.quantize, "read_gib": read, "quantize_gib": quantize}
+
+
 class LoadTerms(NamedTuple):
     """What the load phase's peaks are made of, in bytes (plan_load_and_save)."""
 

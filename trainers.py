@@ -65,26 +65,38 @@ class CpuEngineSFTTrainer(SFTTrainer):
         PartialState._shared_state["distributed_type"] = state.distributed_type
 
 
-# What FSDP1 does differently on a host without an accelerator (cpu_fsdp_plugin), per accelerate setting in effect:
-# the value and why; settle() records each as a decision.
-CPU_FSDP1_OVERRIDES = {
-    "OFFLOAD_PARAMS": ("off", "the parameters already live in host RAM, and FSDP1's CPUOffload needs an accelerator"),
-    "SYNC_MODULE_STATES": ("over gloo", "torch's own broadcast from rank 0, once its 'CPU tensors need a GPU' guard "
-                           "is lifted (it guards NCCL, which cannot send host memory)"),
+# What FSDP does differently on a host without an accelerator (cpu_fsdp_plugin), per accelerate setting in effect:
+# the FSDP versions it applies to, the value and why; settle() records each as a decision.
+CPU_FSDP_OVERRIDES = {
+    "OFFLOAD_PARAMS": ((1, 2), "off", "the parameters already live in host RAM, and FSDP's parameter offload moves "
+                       "them to and from an accelerator"),
+    "SYNC_MODULE_STATES": ((1,), "over gloo", "torch's own broadcast from rank 0, once its 'CPU tensors need a GPU' "
+                           "guard is lifted (it guards NCCL, which cannot send host memory)"),
 }
 
 
-def cpu_fsdp_plugin(launch: Launch):
-    """The FSDP plugin of this launch, built on a host without an accelerator.
+def cpu_fsdp_overrides(launch: Launch) -> dict[str, tuple[str, str]]:
+    """The CPU_FSDP_OVERRIDES this launch's FSDP settings call for: {setting: (value, why)}."""
+    return {setting: (value, why) for setting, (versions, value, why) in CPU_FSDP_OVERRIDES.items()
+            if launch.fsdp_version in versions and launch.fsdp_setting(setting)}
 
-    FSDP2 builds as it is. FSDP1 differs where a CPU forces it (CPU_FSDP1_OVERRIDES): accelerate builds
+
+def cpu_fsdp_plugin(launch: Launch):
+    """The FSDP plugin of this launch, built on a host without an accelerator (the changes: CPU_FSDP_OVERRIDES).
+
+    Parameter offload, which moves parameters between host RAM and an accelerator, is off under either version
+    (accelerate's FSDP2 load asks for the accelerator and raises). FSDP1 differs further: accelerate builds
     `sync_module_states`' param_init_fn for the current GPU and raises without one, so the plugin is built without it
     and given the same function for the CPU; torch refuses to sync CPU tensors (NCCL cannot send them), a guard this
-    process lifts since gloo can; and parameter offload, which needs an accelerator, is off (nothing to move)."""
+    process lifts since gloo can."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     if launch.fsdp_version != 1:
-        return FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_AUTO_WRAP_POLICY, ... from the env
+        from torch.distributed.fsdp import OffloadPolicy
+
+        plugin = FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_AUTO_WRAP_POLICY, ... from the env
+        plugin.cpu_offload = OffloadPolicy()  # FSDP2's "no offload"
+        return plugin
     from torch.distributed.fsdp import CPUOffload
 
     from compat import TORCH_FSDP1_SYNCS_CPU_TENSORS

@@ -108,7 +108,8 @@ def record_routing() -> dict[int, list[list[int]]]:
 
 
 def shard_sizes(model) -> dict:
-    """Each parameter the engine manages (FSDP1: its flat parameters) with its whole and its local size."""
+    """Each parameter the engine manages (FSDP1: its flat parameters, with the names of the parameters each holds) with
+    its whole and its local size."""
     sizes = {}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):  # FSDP2
@@ -119,7 +120,8 @@ def shard_sizes(model) -> dict:
             whole, local = p._unpadded_unsharded_size.numel(), p.numel()
         else:
             whole = local = p.numel()
-        sizes[name] = {"trainable": p.requires_grad, "numel": whole, "local_numel": local}
+        sizes[name] = {"trainable": p.requires_grad, "numel": whole, "local_numel": local,
+                       **({"holds": list(p._fqns)} if hasattr(p, "_fqns") else {})}
     return sizes
 
 

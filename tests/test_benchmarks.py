@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 import benchmark  # noqa: E402
+import dtype_grid  # noqa: E402
 
 
 def test_prompt_completion_copy_keeps_dates_as_text_and_supervises_the_same_tokens(tmp_path, smol_tokenizer,
@@ -271,3 +272,43 @@ def test_compile_payback_times_eager_and_compiled_runs_of_the_default_model():
     result = compile_payback.main(["--steps", "6", "--repeats", "1"])
     assert len(result["compile_seconds"]) == 1 and result["median_compiled_step_ratio"] > 0
     assert result["median_compile_seconds"] > 0  # the compiled run's first steps carry inductor's work
+
+
+@pytest.mark.native_bf16
+def test_dtype_grid_refuses_only_what_cannot_work_on_the_machine_and_says_the_fix(tiny_model_dir, chat_dir, tmp_path,
+                                                                                  repeat_without_native_bf16):
+    """The preflight side of every cell of bench/dtype_grid.py, and its table as its results file has it."""
+    dtype_grid.machine_facts.cache_clear()  # native bf16 or not: this pass's
+    refused = {}
+    for cell in dtype_grid.cells():
+        for error in dtype_grid.preflight_errors(cell, tiny_model_dir, chat_dir, tmp_path / "out"):
+            refused[cell.id] = error
+    cannot_work = ("--fp16 without a CUDA GPU", "--bf16 on a CPU without native bf16",  # this machine's hardware
+                   "4-bit weights stored as float32 under FSDP2 with bf16 mixed precision")  # FSDP2's cast: any machine
+    assert refused and all(error.startswith(cannot_work) and "Fix: " in error for error in refused.values()), refused
+    assert all(cell_id.endswith(":fp16") for cell_id, error in refused.items() if error.startswith("--fp16"))
+    for launched_and_failed in FAILED_AFTER_LOADING:  # trained once fixed; DeepSpeed's bf16 is refused without it
+        assert refused.get(launched_and_failed, "--bf16 on a CPU without native bf16").startswith("--bf16 on a CPU")
+
+    results = json.loads(dtype_grid.RESULTS.read_text())
+    assert set(results["cells"]) == {cell.id for cell in dtype_grid.cells()}
+    assert not {cell_id for cell_id, result in results["cells"].items() if result["outcome"] == "fails"}
+    assert dtype_grid.TABLE.read_text() == dtype_grid.table(results)
+
+
+# Cells that loaded and then failed before the recipe handled them: FSDP2's parameter offload on a CPU; TRL's bf16
+# adapters under FSDP1's float32 policy without autocast; DeepSpeed's bf16 config against --bf16 false
+FAILED_AFTER_LOADING = ["fsdp2_config_qlora:qlora-bfloat16-bfloat16:fp32",
+                        "fsdp_config_qlora:qlora-float32-float32:fp32", "deepspeed_config:lora:fp32"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cell_id", FAILED_AFTER_LOADING)
+def test_dtype_grid_cells_that_failed_after_loading_train(cell_id, tiny_model_dir, chat_dir, tmp_path, monkeypatch):
+    from hardware import NATIVE_BF16_SWITCH
+
+    monkeypatch.setenv(NATIVE_BF16_SWITCH, "1")  # DeepSpeed's config trains in bf16 (emulated where a CPU lacks it)
+    dtype_grid.machine_facts.cache_clear()
+    cell = next(cell for cell in dtype_grid.cells() if cell.id == cell_id)
+    result = dtype_grid.run_cell(cell, tiny_model_dir, chat_dir, tmp_path)
+    assert result["outcome"] == "trains", result

@@ -2,9 +2,11 @@
 (so no verdict depends on the machine); an explicit user choice is never overridden; gather() reads the facts."""
 
 import pytest
+import torch
 from conftest import settled
 
 from arguments import RECIPE_DEFAULTS, ConfigError
+from checks import preflight
 from configuration import gather
 from launch import Launch
 from memory import load_config
@@ -101,6 +103,28 @@ def test_placement_and_engine_follow_the_launch():
     assert "fsdp1 buffer dtype" not in {d.setting for d in settled(
         [*qlora, "--bnb_4bit_quant_storage_dtype", "uint8"], launch=fsdp1).decisions}
     assert str(settled(qlora).dtype) == "torch.bfloat16"  # the bf16 quant storage dtype
+
+
+def test_each_precision_a_user_may_set_reaches_the_engine_in_a_form_it_takes():
+    """The settings behind three launches that failed after loading (bench/dtype_grid.py has every combination)."""
+    qlora = ["--use_4bit_quantization", "true", "--bf16", "false"]
+    # FSDP2's parameter offload needs an accelerator (accelerate's load asked for one and raised): off on CPU, said
+    fsdp2 = Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, 2)
+    assert {d.setting: d.value for d in settled(qlora, launch=fsdp2).decisions}["fsdp_offload_params on CPU"] == "off"
+    assert "fsdp_offload_params on CPU" not in {d.setting for d in settled(qlora, cuda=True, launch=fsdp2).decisions}
+    # TRL casts a 4-bit model's adapters to bf16; under float32 storage they stay float32 (FSDP1 computes them so)
+    fp32_storage = settled([*qlora, "--bnb_4bit_quant_storage_dtype", "float32"])
+    assert fp32_storage.adapter_dtype == torch.float32
+    assert settled(qlora).adapter_dtype is None and settled(["--bf16", "false"]).adapter_dtype is None
+    # DeepSpeed's config takes the launch's bf16 (transformers writes it there), so the Trainer's flag follows it
+    zero3_bf16 = Launch({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                         "ACCELERATE_MIXED_PRECISION": "bf16"}, 2)
+    assert settled(["--bf16", "false"], launch=zero3_bf16, native_bf16=True).training.bf16
+    assert settled(["--fp16", "true"], launch=zero3_bf16, cuda=True).training.fp16  # a flag that asks one: taken
+    fsdp_bf16 = Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_MIXED_PRECISION": "bf16"}, 2)
+    assert not settled(["--bf16", "false"], launch=fsdp_bf16).training.bf16  # FSDP reads the launch's own setting
+    refused = [str(p) for p in preflight(settled(["--bf16", "false"], launch=zero3_bf16, native_bf16=False))]
+    assert any("without native bf16" in p and "launch with --mixed_precision no" in p for p in refused)
 
 
 def test_torch_compile_exports_per_layer_settings_unless_the_launch_sets_them():

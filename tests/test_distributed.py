@@ -19,7 +19,7 @@ from model_files import REPO_DIR
 pytestmark = pytest.mark.multiprocess
 WORKER = REPO_DIR / "tests" / "fsdp_worker.py"
 # id: (shipped accelerate config, engine, FSDP version, 4-bit, machines). On a CPU the recipe changes only what a CPU
-# cannot do (trainers.CPU_FSDP1_OVERRIDES); the launch changes only the process count and precision (no mixed
+# cannot do (trainers.CPU_FSDP_OVERRIDES); the launch changes only the process count and precision (no mixed
 # precision, except FSDP2 QLoRA: the configs' bf16 policy, which emulated bf16 makes slow, in one case). The
 # multi-machine configs run as two machines of one process each on this host, each its own `accelerate launch` with
 # its machine rank, found through the rendezvous on 127.0.0.1 (the single-machine FSDP2 and ZeRO-3 configs run with
@@ -28,7 +28,7 @@ CASES = {
     "fsdp2-lora-2-machines": ("fsdp2_config_multinode.yaml", "fsdp", 2, False, 2),
     "fsdp2-qlora-bf16-mixed-precision-2-machines": ("fsdp2_config_multinode.yaml", "fsdp", 2, True, 2),
     "fsdp1-lora": ("fsdp_config.yaml", "fsdp", 1, False, 1),
-    "fsdp1-qlora": ("fsdp_config_qlora.yaml", "fsdp", 1, True, 1),  # its offload is off on CPU (CPU_FSDP1_OVERRIDES)
+    "fsdp1-qlora": ("fsdp_config_qlora.yaml", "fsdp", 1, True, 1),  # its offload is off on CPU (CPU_FSDP_OVERRIDES)
     "zero3-lora-2-machines": ("deepspeed_config_multinode.yaml", "deepspeed", 2, False, 2),
     "zero3-qlora": ("deepspeed_config_z3_qlora.yaml", "deepspeed", 2, True, 1),
 }

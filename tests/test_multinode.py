@@ -20,7 +20,7 @@ from conftest import end_together, free_port, node_launch, signal_tree, tiny_run
 from safetensors.torch import load_file
 from test_reliability import losses, recipe, straight_run
 
-from checkpoints import COMPLETE, checkpoints
+from checkpoints import COMPLETE, checkpoints, latest_complete
 from launch import machine_settings, node_problems
 from model_files import REPO_DIR
 
@@ -31,10 +31,12 @@ class Machine:
     """One machine's launch: `preemptible.sh accelerate launch ... --machine_rank R`, in its own process group (what
     SLURM signals on one node), its output in a file."""
 
-    def __init__(self, rank: int, port: int, argv: list[str], log: Path, script="train.py", **env):
+    def __init__(self, rank: int, port: int, argv: list[str], log: Path, script="train.py", launch=None, **env):
+        """`launch`: another launch command than machine `rank` of two (two processes of one machine, say)."""
         self.log = log
         self.process = subprocess.Popen(
-            ["bash", "preemptible.sh", *node_launch(MULTINODE_FSDP2, rank, port), script, *argv], cwd=REPO_DIR,
+            ["bash", "preemptible.sh", *(launch or node_launch(MULTINODE_FSDP2, rank, port)), script, *argv],
+            cwd=REPO_DIR,
             stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
@@ -238,6 +240,42 @@ def test_a_killed_machine_stops_the_other_and_a_preempted_one_stops_both_then_tw
     a, b = load_file(straight_out / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
     for name in a:  # two processes differ from one by reduction order, amplified by AdamW (as tests/test_reliability)
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("machines", [1, 2])
+def test_one_ranks_full_disk_ends_every_rank_and_the_run_resumes(tiny_model_dir, chat_dir, tmp_path, machines):
+    """Rank 1's disk fills during its part of a checkpoint (tests/full_disk_worker.py), on two processes of one machine
+    and on two machines, where no launcher stops the other: every rank exits, non-zero, within seconds; the error that
+    names the disk is printed once in each machine's log; the checkpoint before is complete and the run resumes from
+    it to the end."""
+    out = tmp_path / "run"
+    argv = recipe(tiny_model_dir, chat_dir, out, 6, "--per_device_train_batch_size", "4")
+    mark = tmp_path / "disk-full-at"  # a checkpoint is two writes (model, optimizer): the 3rd is checkpoint-4's first
+    env = {"FULL_DISK_RANK": "1", "FULL_DISK_FROM_WRITE": "3", "FULL_DISK_MARK": str(mark)}
+    one_machine = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(REPO_DIR / "configs" / "fsdp2_config.yaml"), "--num_processes", "2", "--main_process_port", "0",
+                   "--mixed_precision", "no"]
+    launches = (two_machines(argv, tmp_path / "full", script="tests/full_disk_worker.py", **env) if machines == 2 else
+                [Machine(0, 0, argv, tmp_path / "full.log", "tests/full_disk_worker.py", one_machine, **env)])
+    codes = [launch.wait(timeout=300) for launch in launches]
+    ended = time.time()
+    logs = [launch.output for launch in launches]
+    assert all(code not in (0, None) for code in codes), logs
+    assert ended - float(mark.read_text()) < 60
+    for log in logs:
+        said = [line for line in log.splitlines() if "No space left on device" in line]
+        assert len(said) == 1 and f"cannot write to {out}" in said[0], log[-4000:]
+        assert "]: Traceback" not in log, log[-4000:]  # no rank's traceback ("[rank1]: Traceback ...")
+    assert f"(last complete checkpoint: {out / 'checkpoint-2'})" in logs[-1]
+    assert latest_complete(out) == str(out / "checkpoint-2") and not (out / "checkpoint-4" / COMPLETE).exists()
+
+    resumed = [*argv, "--resume_from_checkpoint", "latest"]
+    launches = (two_machines(resumed, tmp_path / "resumed") if machines == 2 else
+                [Machine(0, 0, resumed, tmp_path / "resumed.log", launch=one_machine)])
+    assert [launch.wait(timeout=300) for launch in launches] == [0] * machines, [m.output[-3000:] for m in launches]
+    assert f"resuming from {out / 'checkpoint-2'}" in launches[0].output
+    assert (out / "checkpoint-6" / COMPLETE).is_file()
 
 
 def losses_in(machine: Machine) -> list[str]:

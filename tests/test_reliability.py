@@ -355,3 +355,43 @@ def test_a_planted_token_is_in_no_written_file(tiny_model_dir, chat_dir, tmp_pat
     for path in written:
         assert planted.encode() not in path.read_bytes(), path
     assert not [p for p in written if p.suffix in (".bin", ".pt", ".pth") and "model" in p.name]  # weights: safetensors
+
+
+def test_a_rank_that_fails_stops_the_ranks_of_every_machine_through_the_rendezvous_store(monkeypatch, capsys):
+    """What ends a rank whose main thread waits in a collective that NCCL would wait out: the failed rank's error,
+    announced in the launch's store, read by the watch of every other rank, which leaves at once (exit code 1); a
+    rank on another machine than the failed one says the error once."""
+    from datetime import timedelta
+
+    import train
+    from conftest import free_port
+    from launch import Launch
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    exits = []
+    stopped = threading.Event()
+
+    def leave(code):
+        exits.append(code)
+        stopped.set()
+        threading.Event().wait()  # as os._exit never returns
+
+    monkeypatch.setattr(train.os, "_exit", leave)
+    monkeypatch.setattr(train, "FAILED_RANK_LEAVES_S", 0.0)
+    monkeypatch.setattr(train, "STOPPING", threading.Lock())
+
+    def rank(number: int, machine: int) -> Launch:
+        return Launch({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(number),
+                       "LOCAL_RANK": "0", "GROUP_RANK": str(machine)}, 2)
+
+    watching = train.RankFailures.of(rank(0, 0))
+    failed = train.RankFailures(rank(1, 1))
+    assert watching.announced() is None and not stopped.wait(2 * train.RankFailures.FAILURE_POLL_S)
+    failed.announce("cannot write to /out: No space left on device (/out/checkpoint-4)")
+    assert stopped.wait(5 * train.RankFailures.FAILURE_POLL_S) and exits == [1]
+    err = capsys.readouterr().err
+    assert "error: rank 1 (machine 1) failed: cannot write to /out: No space left on device" in err
+    assert "rank 0 stopped: rank 1 failed" in err
+    assert failed.announced() is None  # its own announcement does not stop the failed rank
+    del store
