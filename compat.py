@@ -141,6 +141,55 @@ ACCELERATE_ASKS_DEEPSPEED_ONLY_ONCE_IMPORTED = Patch(
     "accelerate's unwrapping imports deepspeed only where a run has imported it", f"accelerate {ACCELERATE_VERSION}")
 
 
+def _splitting_experts_as_loaded(set_param_for_module):
+    @functools.wraps(set_param_for_module)
+    def set_and_split(model, target_name, param_value, loading_info, hf_quantizer):
+        set_param_for_module(model, target_name, param_value, loading_info, hf_quantizer)
+        from moe import split_as_loaded
+
+        config = hf_quantizer.quantization_config if hf_quantizer is not None else None
+        split_as_loaded(model, target_name.rpartition(".")[0], config)
+    return set_and_split
+
+
+# transformers 5.23 loads a mixture of experts' checkpoint one target parameter at a time
+# (core_model_loading.convert_and_load_state_dict_in_model, each through set_param_for_module): per-expert tensors of
+# a transformers 4 checkpoint are stacked into one layer's fused 16-bit parameter first (MergeModulelist), a fused
+# checkpoint's are read as they are. Left there, every layer's experts sit in 16 bits until the load ends (Mixtral-8x7B:
+# 87 GiB). As soon as a layer's fused experts are all set, moe.split_as_loaded makes them one Linear4bit (QLoRA) or
+# nn.Linear (LoRA) per expert and the 16-bit tensors go: a load holds one layer's experts in 16 bits at a time.
+TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED = Patch(
+    "transformers.core_model_loading", "set_param_for_module", _splitting_experts_as_loaded,
+    "each layer's fused experts split (and quantized) as soon as they are loaded", f"transformers {TRANSFORMERS_VERSION}")
+
+
+class _ReleasedAsRead(dict):
+    """A state dict that lets go of each tensor as it is read: accelerate reads each exactly once."""
+
+    def __getitem__(self, key):
+        return self.pop(key)
+
+
+def _releasing_each_tensor_once_sent(load_full_state_dict):
+    @functools.wraps(load_full_state_dict)
+    def load(accelerator, model, full_sd, *args, **kwargs):
+        if accelerator.is_main_process:
+            released = _ReleasedAsRead(full_sd)
+            full_sd.clear()  # the caller's own reference to the same dict (fsdp2_prepare_model's original_sd)
+            full_sd = released
+        return load_full_state_dict(accelerator, model, full_sd, *args, **kwargs)
+    return load
+
+
+# accelerate 1.15's FSDP2 load from rank 0 (fsdp_utils.fsdp2_prepare_model -> fsdp2_load_full_state_dict): rank 0 takes
+# model.state_dict(), moves the model to the meta device, then broadcasts one tensor at a time and keeps its slice;
+# the state dict holds every whole tensor until the last is sent, beside the slices: two bases on the host with offload
+# (the slices are the shards). Released as each is read, rank 0 holds about one base throughout, as under FSDP1.
+ACCELERATE_FSDP2_RELEASES_EACH_SENT_TENSOR = Patch(
+    "accelerate.utils.fsdp_utils", "fsdp2_load_full_state_dict", _releasing_each_tensor_once_sent,
+    "rank 0 lets go of each whole tensor once FSDP2's load has sent it", f"accelerate {ACCELERATE_VERSION}")
+
+
 def _unless_split(rewrite, position: int, passthrough):
     @functools.wraps(rewrite)
     def wrapper(*args, **kwargs):

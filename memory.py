@@ -98,7 +98,8 @@ class Shapes:
     mlp_kept: int = 3  # intermediate-wide tensors the MLP's activation keeps: gate, act, up; gpt-oss's clamped SwiGLU 6
     experts: int = 0  # a mixture of experts: experts per MoE layer, and how many each token is routed to
     experts_per_token: int = 0
-    expert_linear: int = 0  # of `linear`, the experts' weights (loaded in 16 bits before moe.py splits them)
+    expert_linear: int = 0  # of `linear`, the experts' weights
+    layer_expert_linear: int = 0  # the experts' weights of the largest MoE layer: what a load holds in 16 bits at once
     untied_embedding: int = 0  # the input embedding's parameters where the head does not share them (FSDP2's own unit)
     tied_embedding: int = 0  # the input embedding's parameters where the head shares them
     q_dim: int = 0  # query width: heads x head_dim (Gemma-2's is wider than hidden)
@@ -182,6 +183,8 @@ class Shapes:
             experts=len(expert_lists[0]) if expert_lists else 0,
             experts_per_token=k,
             expert_linear=sum(m.weight.numel() for m in linears if id(m) in in_experts),
+            layer_expert_linear=max((sum(m.weight.numel() for m in experts.modules() if isinstance(m, torch.nn.Linear))
+                                     for experts in expert_lists), default=0),
             untied_embedding=embedding.weight.numel() if head is None or head.weight is not embedding.weight else 0,
             tied_embedding=embedding.weight.numel() if head is not None and head.weight is embedding.weight else 0,
             q_dim=heads * head_dim,
@@ -584,8 +587,9 @@ def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: b
     checkpoint_bytes = getattr(torch, run.checkpoint_dtype).itemsize
     if qlora:
         reader += shapes.largest_linear * checkpoint_bytes  # one weight in the checkpoint's dtype being quantized
-        # a mixture of experts: transformers loads the fused experts in 16 bits; moe.py quantizes them afterwards
-        reader += shapes.expert_linear * weight_bytes
+        # a mixture of experts: one layer's fused experts in 16 bits, split and quantized as soon as they are loaded
+        # (compat.TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED)
+        reader += shapes.layer_expert_linear * weight_bytes
     on_gpu = run.device == "cuda"
     return LoadTerms(n=n, reader=reader, adapter=adapter, own_shard=shardable / n if sharded else shardable,
                      quant_state=quant_state,
@@ -624,26 +628,35 @@ def fsdp1_load(t: LoadTerms, run: Run, p: Plan) -> tuple[float, float, float]:
     return gpu, rank0, other
 
 
-def fsdp2_load(t: LoadTerms, p: Plan) -> tuple[float, float, float]:
+def fsdp2_load(t: LoadTerms, p: Plan) -> tuple[float, float, float, float | None]:
     """accelerate's fsdp2_load_full_state_dict, per tensor: rank 0 broadcasts it whole, each rank receives it into a
     buffer of its size and distribute_tensor scatters the slices into new tensors. The peak is the slices kept so far,
     the tensor in flight and its new slice: at most every slice and the largest tensor (measured at 2.2 GiB: rank 1
     2.15 GiB for 1.10 of slices and a 1.0 GiB head). Rank 0's whole tensors are its base (CPU) or a copy of one at a
     time on the device. The state dict names a tied embedding twice, as the embedding and as the head: it is sent and
     sliced twice, and the second slice is held until accelerate ties the weights again after the load (measured on 2
-    CPU processes: 0.12 GiB on each rank of the 20-layer model, the slice of its 0.23 GiB embedding)."""
+    CPU processes: 0.12 GiB on each rank of the 20-layer model, the slice of its 0.23 GiB embedding).
+    (gpu, rank 0, other, the machine where its ranks' peaks come at different times, else None)"""
     if t.shards_on_host:
+        # Rank 0 lets go of each whole tensor once it is sent (compat.ACCELERATE_FSDP2_RELEASES_EACH_SENT_TENSOR): what
+        # it read shrinks as its slices grow: at most all it read and the first slice, or all its slices
         gpu = 0.0
-        rank0 = t.reader + t.adapter + t.own_shard + t.tied_slice
+        rank0 = max(t.reader + t.largest / t.n, t.own_shard) + t.adapter + t.tied_slice
         other = t.quant_state + t.adapter + t.own_shard + t.largest + t.tied_slice
+        # The machine: rank 0's base goes as every rank's slices come, so it peaks at the start (the whole base read,
+        # the first tensor in flight) or at the end (every rank's slices), not at the sum of the ranks' peaks
+        start = t.reader + t.largest / t.n + (t.n - 1) * (t.quant_state + t.largest)
+        end = t.n * (t.own_shard + t.tied_slice) + (t.n - 1) * t.quant_state + t.largest
+        machine = max(start, end) + t.n * t.adapter
     else:
         gpu, rank0, other = t.own_shard + t.quant_state + t.adapter + t.largest + t.tied_slice, t.reader + t.adapter, 0.0
+        machine = None
     p.assumptions.append(f"load (FSDP2): {READ_ON_RANK0}; accelerate broadcasts one tensor at a time (the largest: "
                          f"{t.largest / GIB:.2f} GiB) and each rank keeps its 1/{t.n} slice (measured on 2 CPU "
                          "processes with a 2.2 GiB model)" + (f"; the tied embedding twice until it is tied again "
                                                               f"({t.tied_slice / GIB:.2f} GiB more)"
                                                               if t.tied_slice else ""))
-    return gpu, rank0, other
+    return gpu, rank0, other, machine
 
 
 def zero3_load(t: LoadTerms, p: Plan) -> tuple[float, float, float]:
@@ -686,9 +699,12 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     keeps its 1/n slice. The peak is each rank's own shard plus the largest tensor and its slice in flight."""
     t = load_terms(shapes, run, base, adapter, sharded)
     n, on_gpu = t.n, t.on_gpu
-    if run.engine == "fsdp" and run.weights_from_rank0 and (n > 1 or run.fsdp_version == 2 and on_gpu):
+    machine = None  # the machine's peak where it is not the sum of its ranks' peaks
+    if run.engine == "fsdp" and run.weights_from_rank0 and n > 1 and run.fsdp_version == 1:
+        gpu, rank0, other = fsdp1_load(t, run, p)
+    elif run.engine == "fsdp" and run.weights_from_rank0 and (n > 1 or on_gpu):
         # FSDP2 broadcasts each tensor even to a world of one (one H200: the load held one 0.19 GiB head more)
-        gpu, rank0, other = fsdp1_load(t, run, p) if run.fsdp_version == 1 else fsdp2_load(t, p)
+        gpu, rank0, other, machine = fsdp2_load(t, p)
     elif run.engine == "deepspeed" and run.zero_stage == 3 and n > 1 and run.weights_from_rank0:
         gpu, rank0, other = zero3_load(t, p)
     else:
@@ -699,9 +715,9 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
                              "the kernel can evict, and are not counted")
     processes = PROCESS_BASE_GIB * GIB * n
     rank0, other = rank0 + WRAP_RUNTIME_GIB * GIB, other + WRAP_RUNTIME_GIB * GIB
+    machine = rank0 + other * (n - 1) if machine is None else machine + n * WRAP_RUNTIME_GIB * GIB
     p.phases["load"] = {"gpu": gpu + (CUDA_CONTEXT_GIB * GIB if on_gpu else 0), "host rank 0": rank0,
-                        "host other rank": other if n > 1 else 0.0,
-                        "host machine": rank0 + other * (n - 1) + processes}
+                        "host other rank": other if n > 1 else 0.0, "host machine": machine + processes}
     if on_gpu:  # p.host is the machine's: the offloaded shards of every rank, and the processes
         held = sum(p.host.values()) * GIB - processes
         p.phases["train"] = {"gpu": sum(p.per_gpu.values()) * GIB, "host rank 0": held / n, "host other rank": held / n,

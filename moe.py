@@ -188,24 +188,53 @@ def split(module: nn.Module, layout: Layout, four_bit: FourBit | None) -> Expert
 def split_experts(model: nn.Module, quantization_config=None) -> dict[str, int]:
     """Replace every fused experts module of `model` by ExpertLinears (4-bit when `quantization_config` loads in 4
     bits); returns the count of expert matrices by name, e.g. {"w1": 256, "w3": 256, "w2": 256}. Raises ValueError
-    for a fused layout this file does not know."""
+    for a fused layout this file does not know. (A load through compat.TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED has
+    split each layer's experts as they arrived: what is left here is what a meta-device model holds.)"""
     from compat import peft_keeps_split_experts
 
     peft_keeps_split_experts()  # else PEFT would turn the experts' names into fused targets that no longer exist
     four_bit = FourBit.of(quantization_config)
-    counts: dict[str, int] = {}
     for name, module in fused_experts(model):
-        layout = layout_of(module)
-        if layout is None:
-            raise ValueError(f"{name} ({type(module).__name__}) stores its experts in a layout the recipe cannot split "
-                             "into linear layers; train it without 4-bit quantization, with LoRA on attention only "
-                             "(--lora_target_modules q_proj,k_proj,v_proj,o_proj)")
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, split(module, layout, four_bit))
+        replace_by_split(model, name, module, four_bit)
+    counts: dict[str, int] = {}
+    for experts in (module for module in model.modules() if isinstance(module, ExpertLinears)):
+        layout = experts[0].layout
         for role in (layout.gate, layout.up, layout.down):
-            counts[role] = counts.get(role, 0) + module.gate_up_proj.shape[0]
+            counts[role] = counts.get(role, 0) + len(experts)
     return counts
+
+
+def replace_by_split(model: nn.Module, name: str, module: nn.Module, four_bit: FourBit | None) -> Layout:
+    """Put ExpertLinears of the fused experts `module` (at `name` in `model`) in its place; returns its layout."""
+    layout = layout_of(module)
+    if layout is None:
+        raise ValueError(f"{name} ({type(module).__name__}) stores its experts in a layout the recipe cannot split "
+                         "into linear layers; train it without 4-bit quantization, with LoRA on attention only "
+                         "(--lora_target_modules q_proj,k_proj,v_proj,o_proj)")
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, split(module, layout, four_bit))
+    return layout
+
+
+def split_as_loaded(model: nn.Module, module_name: str, quantization_config=None) -> bool:
+    """Split the fused experts module at `module_name` once every one of its parameters has been loaded (not on the
+    meta device): each expert becomes its Linear4bit (QLoRA) or nn.Linear (LoRA) and the layer's 16-bit fused tensors
+    are released, so a load holds at most one layer's experts in 16 bits. True if it split."""
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) or module.gate_up_proj.dim() != 3:
+        return False
+    if any(param.device.type == "meta" for param in module.parameters(recurse=False)) or layout_of(module) is None:
+        return False
+    replace_by_split(model, module_name, module, FourBit.of(quantization_config))
+    for part in model.get_submodule(module_name).modules():  # loaded: transformers' initialisation leaves them alone
+        part._is_hf_initialized = True
+        for param in part.parameters(recurse=False):
+            param._is_hf_initialized = True
+    return True
 
 
 def has_split_experts(model: nn.Module) -> bool:

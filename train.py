@@ -106,7 +106,7 @@ def run(argv: list[str]):
                    step_seconds=step_times.seconds, seconds_to_first_step=step_times.seconds_to_first_step(),
                    compiled_after_step=next((c.compiled_after_step for c in trainer.callback_handler.callbacks
                                              if isinstance(c, CompileWhenRepaid)), None),
-                   memory_by_rank=every_rank(peaks.phases),
+                   memory_by_rank=every_rank(peaks.phases), load_plan=config.load_plan,
                    memory_plan=planned_phases(config, data))
     if config.data.eval_split and config.training.eval_strategy == "no" and config.launch.num_processes == 1:
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -351,6 +351,8 @@ def build_trainer(config: Configuration, model, data: TrainingData):
             peft_config.base_model_name_or_path = config.base_model_id
     if config.launch.zero_stage == 3:
         mark_zero3_leaves(trainer.model)  # before DeepSpeed sets its hooks (engine start or partition_from_rank0)
+    if config.weights_from_rank0 and config.launch.fsdp and config.launch.fsdp_version == 2:
+        compat.ACCELERATE_FSDP2_RELEASES_EACH_SENT_TENSOR.apply()  # about one base on rank 0's host, not two
     if config.weights_from_rank0:  # the engine broadcasts rank 0's weights (sharding.py)
         hand_to_the_engine(trainer.model, zero3_config() if config.launch.zero_stage == 3 else None,
                            config.training.device)

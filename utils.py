@@ -99,9 +99,9 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     if attention in PACKED_ATTENTIONS:
         register_attention(attention)
     quantization_config = build_quantization_config(model_args)
-    from compat import transformers_zero3_hidden
+    from compat import TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED, transformers_zero3_hidden
 
-    with transformers_zero3_hidden(weights_from_rank0):
+    with transformers_zero3_hidden(weights_from_rank0), TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED:
         model = load_causal_lm(
             model_args.model_name_or_path,
             dtype=dtype,
@@ -116,7 +116,7 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
         model.resize_token_embeddings(len(tokenizer), mean_resizing=device_map != {"": "meta"})
     import moe
 
-    if moe.fused_experts(model):  # before the 4-bit state is sent: the split experts are 4-bit layers too
+    if moe.fused_experts(model):  # left fused by the load (a meta-device model); before the 4-bit state is sent
         moe.split_experts(model, quantization_config)
     if place_on is not None:  # loaded (and quantized) on the host first
         model.to(place_on)

@@ -52,11 +52,15 @@ class ModelShape:
     heads: int
     kv_heads: int
     tied: bool
+    experts: int = 0  # a mixture of experts: experts per layer (2 routed per token); `intermediate` is each expert's
+    dtype: str = "float32"  # of the checkpoint
 
     def config(self, tokenizer):
         from transformers import AutoConfig
 
         extra = {"head_dim": self.hidden // self.heads} if self.model_type == "gemma2" else {}
+        if self.experts:
+            extra.update(num_local_experts=self.experts, num_experts_per_tok=2)
         return AutoConfig.for_model(
             self.model_type, vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
             intermediate_size=self.intermediate, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
@@ -78,6 +82,8 @@ MODELS = {
     "llama-deep-2g": ModelShape("llama", 49152, 1280, 20, 5120, 10, 5, tied=True),
     # The logits case: a small model whose loss runs over a 128k vocabulary (0.07 G parameters)
     "llama-logits": ModelShape("llama", 128256, 256, 2, 768, 4, 2, tied=False),
+    # A mixture of experts as published, in bf16: 2.3 G parameters, 4.3 GiB, 96% of them in 24 layers x 8 experts
+    "mixtral-4g": ModelShape("mixtral", 49152, 1024, 24, 3584, 16, 8, tied=False, experts=8, dtype="bfloat16"),
 }
 
 
@@ -93,7 +99,7 @@ def make_model(name: str, cache: Path) -> Path:
         return out
     tokenizer = AutoTokenizer.from_pretrained(convert_default_model())
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(MODELS[name].config(tokenizer), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(MODELS[name].config(tokenizer), dtype=getattr(torch, MODELS[name].dtype))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     made.touch()
@@ -202,7 +208,7 @@ def phase_peaks(samples: dict[int, list[tuple[float, int]]], marks: list[str]) -
 
 ENGINES = {"one": None, "fsdp1": "configs/fsdp_config.yaml", "fsdp2": "configs/fsdp2_config.yaml",
            "zero3": "configs/deepspeed_config.yaml"}
-QLORA_ENGINES = {"fsdp1": "configs/fsdp_config_qlora.yaml", "fsdp2": "configs/fsdp2_config.yaml",  # its QLoRA twin offloads, which FSDP2 cannot on CPU
+QLORA_ENGINES = {"fsdp1": "configs/fsdp_config_qlora.yaml", "fsdp2": "configs/fsdp2_config_qlora.yaml",  # offload: off on CPU
                  "zero3": "configs/deepspeed_config_z3_qlora.yaml"}
 
 
@@ -268,6 +274,7 @@ GRID = [
     Case("gemma2-2g", "one", "lora", 4096, True),
     Case("gemma2-2g", "fsdp2", "qlora", 256, False),
     Case("gemma2-2g", "fsdp1", "lora", 256, False),
+    Case("mixtral-4g", "fsdp2", "qlora", 256, False),  # each layer's experts quantized as it loads
 ]
 
 
@@ -325,8 +332,33 @@ def run_case(case: Case, cache: Path, work: Path) -> dict:
     plan_phases = planned(case, model_dir, data_dir, out)
     started = time.time()
     measured = measure(case, model_dir, data_dir, out)
-    return {"case": case.name, "seconds": round(time.time() - started, 1), "measured": measured,
-            "phases": compare(case, plan_phases, measured)}
+    result = {"case": case.name, "seconds": round(time.time() - started, 1), "measured": measured,
+              "phases": compare(case, plan_phases, measured)}
+    if MODELS[case.model].experts:
+        result["checkpoint_gib"] = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / GIB
+        result["adapter_on_stock_model_max_logit_difference"] = adapter_on_the_stock_model(model_dir, out)
+    return result
+
+
+def adapter_on_the_stock_model(model_dir: Path, adapter_dir: Path) -> float:
+    """A mixture of experts' adapter, trained on experts split into linear modules, loaded onto the stock fused model
+    (PEFT converts it) and onto the split model: the largest difference of their logits, fp32, on a probe."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import moe
+
+    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for split in (False, True):
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if split:
+            moe.split_experts(base)
+        with torch.no_grad():
+            logits.append(PeftModel.from_pretrained(base, adapter_dir).eval()(ids).logits)
+        del base
+    return (logits[0] - logits[1]).abs().max().item()
 
 
 def replan(result: dict, cache: Path, work: Path) -> dict:
@@ -361,6 +393,15 @@ def main(argv: list[str] | None = None) -> None:
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     results = []
+    saved_file = Path(args.out).with_suffix(".json")
+    # Some cases measured again: the other cases' rows are kept as they were measured, these replaced
+    earlier = (json.loads(saved_file.read_text())["results"] if args.cases and not args.replan and saved_file.is_file()
+               else [])
+
+    def with_earlier(measured: list[dict]) -> list[dict]:
+        now = {result["case"]: result for result in measured}
+        return [now.pop(result["case"], result) for result in earlier] + list(now.values())
+
     header = (f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores; growth of each rank's RssAnon above what it held when loading began (save: "
               "above what it held when the save began).")
@@ -377,9 +418,9 @@ def main(argv: list[str] | None = None) -> None:
                 except Exception as err:  # the next cases still run; the table says which one failed
                     results.append({"case": case.name, "error": str(err)[-3000:], "phases": {}})
                 print(json.dumps(results[-1]), flush=True)
-                Path(args.out).with_suffix(".json").write_text(json.dumps({"measured": header, "results": results},
-                                                                          indent=1))
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"measured": header, "results": results}, indent=1))
+                saved_file.write_text(json.dumps({"measured": header, "results": with_earlier(results)}, indent=1))
+    results = with_earlier(results)
+    saved_file.write_text(json.dumps({"measured": header, "results": results}, indent=1))
     Path(args.out).with_suffix(".md").write_text(header + "\n\n" + table(results) + "\n")
     print(table(results))
 

@@ -133,7 +133,8 @@ def qlora_64gb(model_dir: Path) -> str:
             f"({host['processes']:.1f}) = {train['host machine']:.1f} GiB. Save: the adapter gathered onto rank 0 "
             f"({save['host rank 0']:.1f}) on top = {save['host machine']:.1f} GiB: {fits(plan)}. The FSDP2 variant "
             f"(`ACCELERATE_CONFIG=configs/fsdp2_config_qlora.yaml`) peaks at {fsdp2.phases['load']['host machine']:.1f} "
-            f"GiB while loading (accelerate keeps rank 0's whole base until the last shard is sent): {fits(fsdp2)}. "
+            f"GiB while loading (rank 0 lets go of each tensor of its base once accelerate has sent it, as the other "
+            f"rank's shards arrive): {fits(fsdp2)}. "
             "The published 107 GB was measured on an older stack, where (by its code) every rank loaded the model and "
             "the final save gathered the full state dict.")
 
@@ -153,8 +154,8 @@ def gpt_oss_one_gpu() -> str:
             f"--gpu_gib 24`): {with_.per_gpu_total:.1f} GiB allocated, about {reserved:.1f} reserved: "
             f"{'fits' if reserved <= 24 else 'does not fit'} ({without.per_gpu_total * ALLOCATOR_HEADROOM:.0f} GiB "
             f"without checkpointing); {with_.per_gpu['weights (frozen)']:.1f} GiB of it the 4-bit base. The host "
-            f"holds {with_.phases['load']['host rank 0']:.1f} GiB while loading (the experts in 16 bits until they "
-            "are split and quantized; then the model moves to the GPU). The published checkpoint's experts are MXFP4, "
+            f"holds {with_.phases['load']['host rank 0']:.1f} GiB while loading (the 4-bit base, with one layer's "
+            "experts in 16 bits at a time until they are split and quantized; then the model moves to the GPU). The published checkpoint's experts are MXFP4, "
             "which the recipe refuses with the fix: train from the bf16 release, or dequantize once.")
 
 

@@ -286,3 +286,32 @@ def test_transformers_prepares_masks_where_the_packed_row_patch_stops_it():
     assert "return True, None, None, None, None, None, None" in source
     assert "find_packed_sequence_indices(position_ids)" in source
     assert ".all()" in inspect.getsource(masking_utils.find_packed_sequence_indices)
+
+
+def test_transformers_sets_each_loaded_parameter_where_the_expert_split_hooks_in():
+    """compat.TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED: the load calls the module-level set_param_for_module (model,
+    target name, value, loading info, quantizer) once per target, after the converters have merged a layer's experts,
+    and loads lazily (each mapping's tensors read as it converts). tests/test_moe.py shows each layer split as it
+    loads, on both checkpoint layouts."""
+    from transformers import core_model_loading
+
+    parameters = list(inspect.signature(core_model_loading.set_param_for_module).parameters)
+    assert parameters == ["model", "target_name", "param_value", "loading_info", "hf_quantizer"]
+    load = inspect.getsource(core_model_loading.convert_and_load_state_dict_in_model)
+    assert "set_param_for_module(\n" in load and "realized_value = mapping.convert(" in load
+    assert "return _job" in inspect.getsource(core_model_loading.spawn_materialize)  # lazy without a thread pool
+
+
+def test_accelerates_fsdp2_load_reads_each_tensor_of_rank0s_state_dict_once():
+    """compat.ACCELERATE_FSDP2_RELEASES_EACH_SENT_TENSOR: fsdp2_load_full_state_dict reads `full_sd[name]` once per
+    name on rank 0, and fsdp2_prepare_model's own state dict (the same dict) is not read after the load."""
+    from accelerate.utils import fsdp_utils
+
+    load = inspect.getsource(fsdp_utils.fsdp2_load_full_state_dict)
+    assert load.count("full_sd[") == 1 and "full_param = full_sd[param_name]" in load
+    prepare = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    after = prepare.split("fsdp2_load_full_state_dict(", 1)[1].split(")", 1)[1]
+    assert "original_sd" not in after
+
+    released = compat._ReleasedAsRead({"a": torch.zeros(1), "b": torch.ones(1)})
+    assert "a" in released and released["a"].item() == 0 and "a" not in released and list(released) == ["b"]

@@ -215,3 +215,41 @@ def test_the_trainers_arguments_are_built_once_from_what_was_decided():
     training = config.training
     assert training.activation_checkpointing_kwargs == {"use_reentrant": True} and training.max_length is None
     assert training.push_to_hub is False and training.hub_token is None and config.hub_token == "hf_x"
+
+
+def test_the_collective_timeout_covers_rank0s_planned_load_then_shortens_once_the_weights_are_in_place():
+    """While rank 0 reads (and quantizes) the base, the other ranks wait in their first collective: the timeout set
+    before the process group starts covers twice rank 0's planned load, and the training timeout applies once the
+    weights are in place; a --ddp_timeout shorter than the plan is refused before loading, with the fix."""
+    from configuration import COLLECTIVE_TIMEOUT_S
+    from memory import LoadRates
+
+    two = Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+                  "FSDP_SYNC_MODULE_STATES": "true"}, 2)
+    facts = {"launch": two, "model_config": load_config("llama-2-7b")}
+    qlora = ["--use_4bit_quantization", "true", "--bf16", "false"]
+    slow = settled(qlora, **facts, load_rates=LoadRates(read=0.2, quantize=0.02, source="measured"))
+    plan = slow.load_plan
+    assert plan["read_gib"] == pytest.approx(12.55, abs=0.1) and plan["quantize"] > plan["read"] > 0  # 7B in fp16
+    seconds = plan["read"] + plan["quantize"]
+    assert 2 * seconds <= slow.training.ddp_timeout <= 2 * seconds + 60 and slow.training_timeout == COLLECTIVE_TIMEOUT_S
+    said = {d.setting: d.why for d in slow.decisions}["ddp_timeout"]
+    assert "2x its planned load" in said and "quantizing" in said and f"{COLLECTIVE_TIMEOUT_S} s" in said
+    lora = settled(["--bf16", "false"], **facts, load_rates=LoadRates(read=2.0, quantize=0.02, source="measured"))
+    assert lora.load_plan["quantize"] == 0 and lora.training.ddp_timeout == COLLECTIVE_TIMEOUT_S
+    assert lora.training_timeout is None
+    assert settled(qlora, model_config=facts["model_config"]).load_plan is None  # one process: nobody waits
+
+    short = settled([*qlora, "--ddp_timeout", "300"], **facts, load_rates=LoadRates(0.2, 0.02, "measured"))
+    assert short.training.ddp_timeout == 300 and short.training_timeout is None  # the user's, throughout
+    refused = [p for p in preflight(short) if p.level == "error" and "--ddp_timeout 300" in p.what]
+    assert refused and f"--ddp_timeout {slow.training.ddp_timeout}" in refused[0].fix
+
+
+def test_the_load_probes_measure_this_machine(tmp_path):
+    from hardware import cold_read_gib_per_s, quantize_gib_per_s
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(bytes(8 * 2**20))
+    assert cold_read_gib_per_s([weights]) > 0 and cold_read_gib_per_s([tmp_path / "absent"]) is None
+    assert quantize_gib_per_s() > 0

@@ -107,6 +107,47 @@ def test_4bit_experts_are_nf4_like_the_attention(family, tmp_path):
     assert 0 < expert_error < 2 * attention_error, (expert_error, attention_error)
 
 
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_each_layers_experts_are_split_and_quantized_as_they_load(family, layout, tmp_path, monkeypatch):
+    """A checkpoint stored per expert (transformers 4, what save_pretrained writes for Mixtral) or fused (transformers
+    5) loads with each layer's experts split into 4-bit linears as soon as they are read
+    (compat.TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED): no other layer's experts are in 16 bits at that moment, and the
+    model is the one a load followed by moe.split_experts builds, to the bit."""
+    from safetensors.torch import save_file
+
+    import compat
+    from model_files import load_causal_lm
+
+    original = tiny_moe(family, dtype=torch.bfloat16)
+    original.save_pretrained(tmp_path)
+    if layout == "fused":
+        for old in tmp_path.glob("*.safetensors"):
+            old.unlink()
+        save_file({k: v.contiguous() for k, v in original.state_dict().items()}, tmp_path / "model.safetensors",
+                  metadata={"format": "pt"})
+    splits, split_as_loaded = [], moe.split_as_loaded
+
+    def recorded(model, name, config=None):
+        done = split_as_loaded(model, name, config)
+        if done:  # every other layer is still on the meta device or already split
+            splits.append([n for n, m in moe.fused_experts(model) if m.gate_up_proj.device.type != "meta"])
+        return done
+
+    monkeypatch.setattr(moe, "split_as_loaded", recorded)
+    with compat.TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED:
+        model = load_causal_lm(str(tmp_path), quantization_config=FOUR_BIT, dtype=torch.bfloat16)
+    assert splits == [[]] * original.config.num_hidden_layers and not moe.fused_experts(model)
+    reference = load_causal_lm(str(tmp_path), quantization_config=FOUR_BIT, dtype=torch.bfloat16)
+    moe.split_experts(reference, FOUR_BIT)
+    for module in (*model.modules(), *reference.modules()):  # as utils.build_model: the trainable 4-bit layout
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_lora_adapts_every_expert_not_the_router_and_the_adapter_loads_onto_the_stock_model(family, tmp_path):
     """all-linear reaches each expert's three matrices and no router; Mixtral's and Qwen3-MoE's adapter (named as
