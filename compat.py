@@ -160,7 +160,8 @@ def _splitting_experts_as_loaded(set_param_for_module):
 # nn.Linear (LoRA) per expert and the 16-bit tensors go: a load holds one layer's experts in 16 bits at a time.
 TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED = Patch(
     "transformers.core_model_loading", "set_param_for_module", _splitting_experts_as_loaded,
-    "each layer's fused experts split (and quantized) as soon as they are loaded", f"transformers {TRANSFORMERS_VERSION}")
+    "each layer's fused experts split (and quantized) as soon as they are loaded",
+    f"transformers {TRANSFORMERS_VERSION}")
 
 
 class _ReleasedAsRead(dict):

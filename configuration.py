@@ -288,7 +288,8 @@ def settle(request: Request, facts: Facts) -> Configuration:
         decide_micro_batch(config)
         decide_activation_checkpointing(config)
     for decide in (decide_checkpointing_kwargs, decide_lengths, decide_placement, decide_loading, decide_cpu_engine,
-                   decide_fsdp1_buffers, decide_adapter_dtype, decide_fused_layers, decide_compile, decide_data_processes, decide_publishing):
+                   decide_fsdp1_buffers, decide_adapter_dtype, decide_fused_layers, decide_compile,
+                   decide_data_processes, decide_publishing):
         decide(config)
     config.training = training_arguments({**values, **config.decided})
     return config

@@ -118,8 +118,11 @@ class Launch:
     @property
     def store_address(self) -> tuple[str, int] | None:
         """Where the launch's rendezvous store listens, which every rank of every machine reaches (torchrun's
-        MASTER_ADDR and MASTER_PORT); None outside a launch."""
+        MASTER_ADDR and MASTER_PORT); None where no launcher agent holds one before the workers start (a launch that
+        sets MASTER_ADDR for rank 0's process group to host: its store exists only once the group starts)."""
         if "MASTER_ADDR" not in self.env or "MASTER_PORT" not in self.env:
+            return None
+        if self.env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return None
         return self.env["MASTER_ADDR"], int(self.env["MASTER_PORT"])
 

@@ -554,7 +554,8 @@ def load_seconds(shapes: Shapes, checkpoint_dtype: str, qlora: bool, rates: Load
     """Rank 0's load, in seconds: reading the whole checkpoint, and (QLoRA) quantizing its decoder-layer linears."""
     read = shapes.total * getattr(torch, checkpoint_dtype).itemsize / GIB
     quantize = shapes.linear * 2 / GIB if qlora else 0.0
-    return {"read": read / rates.read, "quantize": quantize / rates.quantize, "read_gib": read, "quantize_gib": quantize}
+    return {"read": read / rates.read, "quantize": quantize / rates.quantize, "read_gib": read,
+            "quantize_gib": quantize}
 
 
 class LoadTerms(NamedTuple):

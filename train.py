@@ -21,14 +21,10 @@ gc.disable()
 # Exit handlers run last-registered first: registered before any library's, this one runs after all of them.
 atexit.register(lambda: leave_if_finished())
 import compat  # first: it imports bitsandbytes before transformers and peft do (compat.py says why)
-import errno
-import json
 import math
 import os
-import shutil
 import statistics
 import sys
-import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -41,6 +37,7 @@ from arguments import ConfigError, parse_arguments
 from checkpoints import StopOnSignal, latest_complete
 from checks import Problem, preflight
 from configuration import Configuration, gather, load_text, memory_plan, planned_run, settle
+import failures
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
 from fast_paths import EAGER_STEPS_MEASURED, compile_each_layer, compile_repays
@@ -69,7 +66,7 @@ def run(argv: list[str]):
         config = settle(request, gather(request))
     except ConfigError as err:
         stop([str(err)])
-    FAILURES["watch"] = RankFailures.of(config.launch)
+    failures.WATCH["watch"] = failures.RankFailures.of(config.launch)
     timeout = (f", collective timeout {config.training.ddp_timeout} s" + (
         f" while loading, then {config.training_timeout} s" if config.training_timeout else "")
         if config.launch.num_processes > 1 else "")
@@ -135,7 +132,7 @@ def log(message: str) -> None:
 
 
 def stop(problems: list[str]) -> None:
-    FAILURES["error"] = problems[0] if problems else None
+    failures.WATCH["error"] = problems[0] if problems else None
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     sys.exit(2)
@@ -377,115 +374,6 @@ def adapted_matrices(model) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def write_failure(err: BaseException, output_dir: str) -> str | None:
-    """Why a save failed for want of space or permission, from `err` or the errors it came from; None for any other
-    failure. A full disk reaches here as OSError from Python's own writes, but as SafetensorError from safetensors and
-    RuntimeError from torch.save ("unexpected pos"), so a nearly full disk under output_dir counts too."""
-    chain, pending = [], [err]
-    while pending:  # the errors it came from, and those of each rank a distributed checkpoint gathered (failures)
-        error = pending.pop()
-        if error is None or error in chain:
-            continue
-        chain.append(error)
-        pending += [error.__cause__ or error.__context__,
-                    *(failed for failed, _ in (getattr(error, "failures", None) or {}).values())]
-    for error in chain:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
-            return f"{error.strerror} ({error.filename or 'while saving'})"
-    if Path(output_dir).exists() and shutil.disk_usage(output_dir).free < 2**20:
-        return f"No space left on device ({type(chain[0]).__name__}: {str(chain[0])[:200]})"
-    return None
-
-
-def lost_rank(err: BaseException) -> str | None:
-    """What a collective reported when another rank stopped answering (its node killed, lost, or out of memory), or
-    its timeout ran out; None for any other failure (its traceback is then shown as it is). gloo raises a RuntimeError
-    naming the closed connection or the timeout ("Timed out waiting ..."); NCCL's watchdog raises DistBackendError."""
-    import torch.distributed as dist
-
-    message = str(err)
-    lost = isinstance(err, dist.DistError) or any(
-        sign in message for sign in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
-    return f"{type(err).__name__}: {message.splitlines()[0][:300]}" if lost else None
-
-
-class RankFailures:
-    """One rank's failure ends every rank of the launch within FAILURE_POLL_S, on every machine.
-
-    A rank that raises (a full disk in its part of a save, an out-of-memory, a bad shard) writes its error into the
-    launch's rendezvous store (torchrun's, which every rank of every machine reaches) before it exits; a thread in every
-    other rank watches for it and ends its process. Without it a rank on another machine, where no launcher kills it,
-    would wait in its next collective until the collective timeout (NCCL notices no peer that left; gloo notices a
-    closed connection, but reports it as a lost rank, not why). The failed rank's own log holds its error; each other
-    machine's first rank prints it once more, so every machine's log says why its run ended."""
-
-    KEY = "recipe/failed-rank"
-    FAILURE_POLL_S = 1.0
-
-    def __init__(self, launch: Launch):
-        self.launch, self.key = launch, f"{self.KEY}/{launch.restart}"
-        self.store = launch.store()
-        threading.Thread(target=self.watch, name="rank-failures", daemon=True).start()
-
-    @classmethod
-    def of(cls, launch: Launch) -> RankFailures | None:
-        return cls(launch) if launch.num_processes > 1 and launch.store_address else None
-
-    def announce(self, error: str) -> None:
-        try:
-            self.store.set(self.key, json.dumps({"rank": self.launch.rank, "machine": self.launch.machine_rank,
-                                                 "error": error}))
-        except Exception:  # the store's machine is gone too: the others see this rank's connections close
-            pass
-
-    def announced(self) -> dict | None:
-        """Another rank's failure, if one was announced; None where none was, or the store cannot be reached."""
-        try:
-            failure = json.loads(self.store.get(self.key)) if self.store.check([self.key]) else None
-        except Exception:
-            return None
-        return failure if failure and failure["rank"] != self.launch.rank else None
-
-    def watch(self) -> None:
-        while True:
-            time.sleep(self.FAILURE_POLL_S)
-            if failure := self.announced():
-                stop_for(self.launch, failure)
-
-
-FAILURES: dict[str, RankFailures | None] = {"watch": None, "error": None}  # this process's watch; its last error said
-FAILED_RANK_LEAVES_S = 3.0
-STOPPING = threading.Lock()
-
-
-def stop_for(launch: Launch, failure: dict) -> None:
-    """End this process for another rank's failure (exit code 1), without the interpreter's teardown: the main thread
-    may be inside a collective that will never complete. The failed rank printed its error; each other machine's
-    first rank prints it once more."""
-    if not STOPPING.acquire(blocking=False):  # the watch and the main thread both found it: the first one says it
-        time.sleep(FAILED_RANK_LEAVES_S + 60)
-    if launch.local_rank == 0 and failure["machine"] != launch.machine_rank:
-        print(f"error: rank {failure['rank']} (machine {failure['machine']}) failed: {failure['error']}",
-              file=sys.stderr)
-    print(f"rank {launch.rank} stopped: rank {failure['rank']} failed", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    time.sleep(FAILED_RANK_LEAVES_S)  # the failed rank exits first: its launcher names it, not this one, as the cause
-    os._exit(1)
-
-
-def failed_elsewhere(err: BaseException, launch: Launch, output_dir: str) -> dict | None:
-    """The failure of another rank that `err` carries: torch's distributed checkpoint gathers every rank's error of a
-    save or load and raises them on all ranks (CheckpointException); None where this rank failed too, or for any
-    other error."""
-    failures = getattr(err, "failures", None)
-    if not isinstance(failures, dict) or not failures or launch.rank in failures:
-        return None
-    rank, (error, _) = min(failures.items())
-    why = write_failure(error, output_dir)
-    return {"rank": rank, "machine": rank // max(launch.local_processes, 1),
-            "error": f"cannot write to {output_dir}: {why}" if why else f"{type(error).__name__}: {error}"[:300]}
-
-
 def train(trainer, config: Configuration):
     """trainer.train, resumed where asked; a full disk, a lost rank or a signal ends the run with what to do next."""
     output_dir = config.training.output_dir
@@ -496,16 +384,17 @@ def train(trainer, config: Configuration):
     try:
         result = trainer.train(resume_from_checkpoint=trainer.resumed_from)
     except (Exception, CheckpointException) as err:
-        if failure := failed_elsewhere(err, config.launch, output_dir):
-            stop_for(config.launch, failure)
+        if failure := failures.failed_elsewhere(err, config.launch, output_dir):
+            failures.stop_for(config.launch, failure)
         last = latest_complete(output_dir)
         resume = "--resume_from_checkpoint latest" + (f" (last complete checkpoint: {last})" if last else
                                                       " (no complete checkpoint yet)")
-        if why := write_failure(err, output_dir):
+        if why := failures.write_failure(err, output_dir):
             stop([f"cannot write to {output_dir}: {why}. Free space or fix permissions, then continue with {resume}"])
-        if config.launch.num_processes > 1 and (why := lost_rank(err)):
-            if (watch := FAILURES["watch"]) and (failure := watch.announced()):
-                stop_for(config.launch, failure)  # the rank that failed first says why
+        if config.launch.num_processes > 1 and (why := failures.lost_rank(err)):
+            if (watch := failures.WATCH["watch"]) and (failure := watch.announced()):
+                failures.stop_for(config.launch, failure)  # the rank that failed first says why
+            failures.WATCH["error"] = f"lost the other ranks ({why})"
             print(f"error: rank {config.launch.rank} lost the other ranks at step {trainer.state.global_step} ({why}). "
                   "Another process or node stopped (killed, lost, out of memory: see its own log), or a collective "
                   f"waited longer than the collective timeout, {config.training.ddp_timeout} s (--ddp_timeout). "
@@ -591,9 +480,9 @@ def main(argv: list[str]) -> None:
     except BaseException as err:
         code = err.code if isinstance(err, SystemExit) else 1
         # Not for a signal, which stopped every rank by itself at the same step (exit code 128 + N)
-        if (watch := FAILURES["watch"]) is None or code in (0, None) or not isinstance(code, int) or code >= 128:
+        if (watch := failures.WATCH["watch"]) is None or code in (0, None) or not isinstance(code, int) or code >= 128:
             raise
-        watch.announce(FAILURES["error"] or f"{type(err).__name__}: {str(err)[:300]}")
+        watch.announce(failures.WATCH["error"] or f"{type(err).__name__}: {str(err)[:300]}")
         if not isinstance(err, SystemExit):
             traceback.print_exc()
         sys.stdout.flush()

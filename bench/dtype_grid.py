@@ -170,7 +170,9 @@ def machine() -> dict:
 
 
 def cell_text(result: dict) -> str:
-    return f"trains ({result['detail']})" if result["outcome"] == "trains" else f"{result['outcome']}: {result['detail']}"
+    if result["outcome"] == "trains":
+        return f"trains ({result['detail']})"
+    return f"{result['outcome']}: {result['detail']}"
 
 
 def table(results: dict) -> str:

@@ -62,13 +62,15 @@ def drop_from_page_cache(folder: Path) -> None:
 def run(method: str, model_dir: Path, data_dir: Path, work: Path) -> dict:
     out, marks = work / method, work / f"{method}-marks.txt"
     drop_from_page_cache(model_dir)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs" / CONFIGS[method]),
+    config = REPO / "configs" / CONFIGS[method]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--num_processes", "2", "--main_process_port", "0", "--mixed_precision", "no", str(REPO / "train.py"),
                "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out),
                "--max_steps", "1", "--per_device_train_batch_size", "1", "--max_length", "64", "--splits", "train",
                "--eval_num_prompts", "0", "--save_strategy", "no", "--bf16", "false", "--report_to", "none",
                "--lora_target_modules", "q_proj,v_proj",
-               *(["--use_4bit_quantization", "true", "--bnb_4bit_compute_dtype", "float32"] if method == "qlora" else [])]
+               *(["--use_4bit_quantization", "true", "--bnb_4bit_compute_dtype", "float32"]
+                 if method == "qlora" else [])]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "RECIPE_PHASE_MARKS": str(marks)})
     if done.returncode:

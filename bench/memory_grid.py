@@ -208,7 +208,8 @@ def phase_peaks(samples: dict[int, list[tuple[float, int]]], marks: list[str]) -
 
 ENGINES = {"one": None, "fsdp1": "configs/fsdp_config.yaml", "fsdp2": "configs/fsdp2_config.yaml",
            "zero3": "configs/deepspeed_config.yaml"}
-QLORA_ENGINES = {"fsdp1": "configs/fsdp_config_qlora.yaml", "fsdp2": "configs/fsdp2_config_qlora.yaml",  # offload: off on CPU
+QLORA_ENGINES = {"fsdp1": "configs/fsdp_config_qlora.yaml",
+                 "fsdp2": "configs/fsdp2_config_qlora.yaml",  # its parameter offload: off on CPU
                  "zero3": "configs/deepspeed_config_z3_qlora.yaml"}
 
 

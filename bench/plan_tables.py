@@ -155,8 +155,9 @@ def gpt_oss_one_gpu() -> str:
             f"{'fits' if reserved <= 24 else 'does not fit'} ({without.per_gpu_total * ALLOCATOR_HEADROOM:.0f} GiB "
             f"without checkpointing); {with_.per_gpu['weights (frozen)']:.1f} GiB of it the 4-bit base. The host "
             f"holds {with_.phases['load']['host rank 0']:.1f} GiB while loading (the 4-bit base, with one layer's "
-            "experts in 16 bits at a time until they are split and quantized; then the model moves to the GPU). The published checkpoint's experts are MXFP4, "
-            "which the recipe refuses with the fix: train from the bf16 release, or dequantize once.")
+            "experts in 16 bits at a time until they are split and quantized; then the model moves to the GPU). "
+            "The published checkpoint's experts are MXFP4, which the recipe refuses with the fix: train from the bf16 "
+            "release, or dequantize once.")
 
 
 def blocks() -> dict[str, str]:

@@ -1,8 +1,8 @@
 """train.py's recipe with one rank's disk full from some point on: FULL_DISK_RANK's writes of checkpoint shards raise
 ENOSPC (No space left on device) from its write numbered FULL_DISK_FROM_WRITE (1 = the first; a checkpoint is two: the
 model's shards, then the optimizer's), as its own disk would on a machine whose disk filled during the run; the other
-ranks write as usual. The moment of the first failed write goes to FULL_DISK_MARK (a file), if set. Not a copy of the recipe:
-`train.main`, with torch's distributed-checkpoint file writer wrapped on that rank."""
+ranks write as usual. The moment of the first failed write goes to FULL_DISK_MARK (a file), if set. Not a copy of the
+recipe: `train.main`, with torch's distributed-checkpoint file writer wrapped on that rank."""
 
 import errno
 import os

@@ -97,7 +97,7 @@ def test_a_wrong_machine_rank_or_a_taken_port_is_named_before_anything_starts():
 
 def test_only_a_lost_rank_or_a_collective_timeout_is_reported_as_one():
     """Those end the run with one line and the resume; any other error keeps its traceback."""
-    from train import lost_rank
+    from failures import lost_rank
 
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18823. This is "
                         "typically caused by a remote worker crashing.\nmore")

@@ -328,7 +328,7 @@ def test_a_full_disk_is_recognised_whichever_library_hits_it(small_filesystem):
     pos"); the run still reports it as a full disk, not as a crash."""
     from safetensors.torch import save_file
 
-    from train import write_failure
+    from failures import write_failure
 
     fill(small_filesystem)
     tensors = {"w": torch.zeros(100_000)}
@@ -363,7 +363,7 @@ def test_a_rank_that_fails_stops_the_ranks_of_every_machine_through_the_rendezvo
     rank on another machine than the failed one says the error once."""
     from datetime import timedelta
 
-    import train
+    import failures
     from conftest import free_port
     from launch import Launch
 
@@ -377,19 +377,21 @@ def test_a_rank_that_fails_stops_the_ranks_of_every_machine_through_the_rendezvo
         stopped.set()
         threading.Event().wait()  # as os._exit never returns
 
-    monkeypatch.setattr(train.os, "_exit", leave)
-    monkeypatch.setattr(train, "FAILED_RANK_LEAVES_S", 0.0)
-    monkeypatch.setattr(train, "STOPPING", threading.Lock())
+    monkeypatch.setattr(failures.os, "_exit", leave)
+    monkeypatch.setattr(failures, "FAILED_RANK_LEAVES_S", 0.0)
+    monkeypatch.setattr(failures, "STOPPING", threading.Lock())
 
     def rank(number: int, machine: int) -> Launch:
         return Launch({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(number),
-                       "LOCAL_RANK": "0", "GROUP_RANK": str(machine)}, 2)
+                       "LOCAL_RANK": "0", "GROUP_RANK": str(machine), "TORCHELASTIC_USE_AGENT_STORE": "True"}, 2)
 
-    watching = train.RankFailures.of(rank(0, 0))
-    failed = train.RankFailures(rank(1, 1))
-    assert watching.announced() is None and not stopped.wait(2 * train.RankFailures.FAILURE_POLL_S)
+    assert failures.RankFailures.of(Launch({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, 2)) is None  # no
+    # agent's store before the process group: none to watch
+    watching = failures.RankFailures.of(rank(0, 0))
+    failed = failures.RankFailures(rank(1, 1))
+    assert watching.announced() is None and not stopped.wait(2 * failures.RankFailures.FAILURE_POLL_S)
     failed.announce("cannot write to /out: No space left on device (/out/checkpoint-4)")
-    assert stopped.wait(5 * train.RankFailures.FAILURE_POLL_S) and exits == [1]
+    assert stopped.wait(5 * failures.RankFailures.FAILURE_POLL_S) and exits == [1]
     err = capsys.readouterr().err
     assert "error: rank 1 (machine 1) failed: cannot write to /out: No space left on device" in err
     assert "rank 0 stopped: rank 1 failed" in err
