@@ -81,12 +81,19 @@ class ExpertLinears(nn.ModuleList):
         with torch.no_grad():  # the fused modules' own routing: for each expert, its (top-k slot, token) pairs
             expert_mask = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
             hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for index in hit[:, 0].tolist():
-            if index == len(self):
-                continue
+        reached = [index for index in hit[:, 0].tolist() if index < len(self)]
+        reached_set = set(reached)
+        for index in reached:
             top_k_pos, token_idx = torch.where(expert_mask[index])
             out = self[index](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
+        # An expert no token of this rank reached still gets a (zero) gradient for each trainable parameter: FSDP
+        # reduce-scatters the gradients a unit's parameters have, and a rank that sent fewer than another would stop
+        # the run ("Detected mismatch between collectives": one expert's LoRA weights, seen on a 2-layer Mixtral).
+        unreached = [p for index, expert in enumerate(self) if index not in reached_set
+                     for p in expert.parameters() if p.requires_grad]
+        if unreached:
+            final = final + torch.stack([p.sum().to(final.dtype) for p in unreached]).sum() * 0
         return final
 
 

@@ -190,7 +190,9 @@ def table(results: dict) -> str:
     return (f"# Shipped configs x dtypes: one step on two CPU processes, or refused before loading\n\n"
             f"Made by `bench/dtype_grid.py` on {results['date']}, {machine_line['cpu']}, {machine_line['cores']} "
             f"cores, native bf16: {machine_line['native_bf16']}. `fails` would be a defect: a cell that loaded "
-            "weights and then broke.\n\n" + "\n".join(lines) + "\n")
+            "weights and then broke. Under a config whose `mixed_precision` is bf16, `--bf16 false` trains with the "
+            "launch's bf16 autocast, as accelerate and transformers apply it (launch with `--mixed_precision no` for "
+            "fp32).\n\n" + "\n".join(lines) + "\n")
 
 
 def main(argv: list[str]) -> None:

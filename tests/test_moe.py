@@ -107,6 +107,24 @@ def test_4bit_experts_are_nf4_like_the_attention(family, tmp_path):
     assert 0 < expert_error < 2 * attention_error, (expert_error, attention_error)
 
 
+def test_an_expert_no_token_reached_still_gets_a_gradient_for_each_trainable_parameter():
+    """FSDP reduce-scatters the gradients a unit's parameters have: a rank whose tokens never reached an expert would
+    send fewer than the others, and the collectives would no longer match."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_moe("mixtral")
+    moe.split_experts(model)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    experts = next(m for m in model.modules() if isinstance(m, moe.ExpertLinears))
+    hidden = torch.randn(5, 64)
+    top_k_index = torch.tensor([[0, 1]] * 5)  # experts 2 and 3 reached by no token
+    experts(hidden, top_k_index, torch.full((5, 2), 0.5)).square().sum().backward()
+    grads = {name: p.grad for name, p in experts.named_parameters() if p.requires_grad}
+    assert grads and all(grad is not None for grad in grads.values())
+    assert all(grads[name].abs().sum() == 0 for name in grads if name.startswith(("2.", "3.")))
+    assert any(grads[name].abs().sum() > 0 for name in grads if name.startswith("0.") and "lora_B" in name)
+
+
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_each_layers_experts_are_split_and_quantized_as_they_load(family, layout, tmp_path, monkeypatch):
@@ -250,6 +268,7 @@ SHARDED = {
     "fsdp1-qlora-mixtral": ("fsdp_config_qlora.yaml", "mixtral", True),
     "zero3-lora-gpt_oss": ("deepspeed_config.yaml", "gpt_oss", False),
     "zero3-qlora-mixtral32": ("deepspeed_config_z3_qlora.yaml", "mixtral32", True),
+    "fsdp2-lora-mixtral32": ("fsdp2_config.yaml", "mixtral32", False),  # FSDP: reduce-scatters each unit's gradients
 }
 
 
@@ -318,7 +337,8 @@ def test_two_processes_equal_one_process(case, moe_dirs, mixtral32_dir, chat_dir
     torch.testing.assert_close(two[:, 0], one[:, 0], rtol=1e-2 if quantized else 1e-5, atol=0)
     torch.testing.assert_close(two[:, 1], one[:, 1], rtol=3e-2 if quantized else 1e-5, atol=0)
 
-    if family == "mixtral32":  # a forward in which one rank reached an expert the other never did
+    if family == "mixtral32":  # a forward in which one rank reached an expert the other never did (each expert's
+        # trainable parameters still got a zero gradient there: moe.ExpertLinears)
         reached = [report["experts_reached"] for report in ranks]
         assert any(set(mine) != set(theirs) for layer in reached[0]
                    for mine, theirs in zip(reached[0][layer], reached[1][layer])), reached
