@@ -562,7 +562,8 @@ class LoadTerms(NamedTuple):
     """What the load phase's peaks are made of, in bytes (plan_load_and_save)."""
 
     n: int  # ranks
-    reader: float  # what rank 0 holds of the base it read (0 when the weights alias the memory-mapped file)
+    reader: float  # what rank 0 holds of the base it read (0 when the weights alias the memory-mapped file), at most
+    read_only: float  # of `reader`, what rank 0 holds only while it reads: a weight being quantized, a layer's experts
     adapter: float
     own_shard: float  # each rank's share of the shardable base
     quant_state: float  # 4-bit constants: not sharded, every rank keeps them whole
@@ -586,13 +587,15 @@ def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: b
     converted = qlora or run.checkpoint_dtype != load_dtype  # else the weights alias the memory-mapped file
     reader = base if converted else 0.0
     checkpoint_bytes = getattr(torch, run.checkpoint_dtype).itemsize
+    read_only = 0.0
     if qlora:
-        reader += shapes.largest_linear * checkpoint_bytes  # one weight in the checkpoint's dtype being quantized
+        read_only += shapes.largest_linear * checkpoint_bytes  # one weight in the checkpoint's dtype being quantized
         # a mixture of experts: one layer's fused experts in 16 bits, split and quantized as soon as they are loaded
         # (compat.TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED)
-        reader += shapes.layer_expert_linear * weight_bytes
+        read_only += shapes.layer_expert_linear * weight_bytes
+    reader += read_only
     on_gpu = run.device == "cuda"
-    return LoadTerms(n=n, reader=reader, adapter=adapter, own_shard=shardable / n if sharded else shardable,
+    return LoadTerms(n=n, reader=reader, read_only=read_only, adapter=adapter, own_shard=shardable / n if sharded else shardable,
                      quant_state=quant_state,
                      largest=max(embedding, shapes.largest_linear * (0.5 if qlora else weight_bytes)),
                      converted=converted, on_gpu=on_gpu, shards_on_host=not on_gpu or run.offload,
@@ -640,15 +643,18 @@ def fsdp2_load(t: LoadTerms, p: Plan) -> tuple[float, float, float, float | None
     (gpu, rank 0, other, the machine where its ranks' peaks come at different times, else None)"""
     if t.shards_on_host:
         # Rank 0 lets go of each whole tensor once it is sent (compat.ACCELERATE_FSDP2_RELEASES_EACH_SENT_TENSOR): what
-        # it read shrinks as its slices grow: at most all it read and the first slice, or all its slices
+        # it read shrinks as its slices grow: at most all it read and the first slice (the adapter beside them, once
+        # PEFT has wrapped the model after the read), or all its slices
         gpu = 0.0
-        rank0 = max(t.reader + t.largest / t.n, t.own_shard) + t.adapter + t.tied_slice
+        sent_from = t.reader - t.read_only + t.adapter + t.largest / t.n
+        rank0 = max(t.reader, sent_from, t.own_shard + t.adapter) + t.tied_slice
         other = t.quant_state + t.adapter + t.own_shard + t.largest + t.tied_slice
-        # The machine: rank 0's base goes as every rank's slices come, so it peaks at the start (the whole base read,
-        # the first tensor in flight) or at the end (every rank's slices), not at the sum of the ranks' peaks
-        start = t.reader + t.largest / t.n + (t.n - 1) * (t.quant_state + t.largest)
-        end = t.n * (t.own_shard + t.tied_slice) + (t.n - 1) * t.quant_state + t.largest
-        machine = max(start, end) + t.n * t.adapter
+        # The machine: rank 0's base goes as every rank's slices come, so it peaks while reading, as the first tensor
+        # is sent or once every rank holds its slices, not at the sum of the ranks' peaks
+        reading = t.reader  # the other ranks hold nothing yet
+        sending = sent_from + (t.n - 1) * (t.adapter + t.quant_state + t.largest)
+        sent = t.n * (t.own_shard + t.tied_slice + t.adapter) + (t.n - 1) * t.quant_state + t.largest
+        machine = max(reading, sending, sent)
     else:
         gpu, rank0, other = t.own_shard + t.quant_state + t.adapter + t.largest + t.tied_slice, t.reader + t.adapter, 0.0
         machine = None
@@ -703,7 +709,7 @@ def plan_load_and_save(p: Plan, shapes: Shapes, run: Run, base: float, adapter: 
     machine = None  # the machine's peak where it is not the sum of its ranks' peaks
     if run.engine == "fsdp" and run.weights_from_rank0 and n > 1 and run.fsdp_version == 1:
         gpu, rank0, other = fsdp1_load(t, run, p)
-    elif run.engine == "fsdp" and run.weights_from_rank0 and (n > 1 or on_gpu):
+    elif run.engine == "fsdp" and run.weights_from_rank0 and run.fsdp_version == 2 and (n > 1 or on_gpu):
         # FSDP2 broadcasts each tensor even to a world of one (one H200: the load held one 0.19 GiB head more)
         gpu, rank0, other, machine = fsdp2_load(t, p)
     elif run.engine == "deepspeed" and run.zero_stage == 3 and n > 1 and run.weights_from_rank0:

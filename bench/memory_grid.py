@@ -337,15 +337,18 @@ def run_case(case: Case, cache: Path, work: Path) -> dict:
               "phases": compare(case, plan_phases, measured)}
     if MODELS[case.model].experts:
         result["checkpoint_gib"] = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / GIB
-        result["adapter_on_stock_model_max_logit_difference"] = adapter_on_the_stock_model(model_dir, out)
+        result["adapter_max_logit_difference"] = adapter_on_the_stock_model(model_dir, out)
     return result
 
 
-def adapter_on_the_stock_model(model_dir: Path, adapter_dir: Path) -> float:
+def adapter_on_the_stock_model(model_dir: Path, adapter_dir: Path) -> dict[str, float]:
     """A mixture of experts' adapter, trained on experts split into linear modules, loaded onto the stock fused model
-    (PEFT converts it) and onto the split model: the largest difference of their logits, fp32, on a probe."""
+    (PEFT converts it) and onto the split model: the largest difference of their logits, fp32, on a probe, beside how
+    far the adapter moves the base's logits (the same comparison with an untrained adapter would be 0). PEFT 0.21
+    refuses LoRA dropout on the fused experts' parameters (`lora.ParamWrapper`): dropout does nothing at inference, so
+    the adapter is loaded without it."""
     import torch
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
     import moe
@@ -353,13 +356,18 @@ def adapter_on_the_stock_model(model_dir: Path, adapter_dir: Path) -> float:
     ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
     logits = []
     for split in (False, True):
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = PeftConfig.from_pretrained(adapter_dir)  # each load its own: PEFT rewrites it for the fused model
+        config.lora_dropout = 0.0
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         if split:
             moe.split_experts(base)
+            with torch.no_grad():
+                base_logits = base(ids).logits
         with torch.no_grad():
-            logits.append(PeftModel.from_pretrained(base, adapter_dir).eval()(ids).logits)
+            logits.append(PeftModel.from_pretrained(base, adapter_dir, config=config).eval()(ids).logits)
         del base
-    return (logits[0] - logits[1]).abs().max().item()
+    return {"stock_against_split": (logits[0] - logits[1]).abs().max().item(),
+            "adapter_against_base": (logits[1] - base_logits).abs().max().item()}
 
 
 def replan(result: dict, cache: Path, work: Path) -> dict:
