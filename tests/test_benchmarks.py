@@ -15,6 +15,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import benchmark  # noqa: E402
 import dtype_grid  # noqa: E402
+import load_time  # noqa: E402
 
 
 def test_prompt_completion_copy_keeps_dates_as_text_and_supervises_the_same_tokens(tmp_path, smol_tokenizer,
@@ -316,3 +317,12 @@ def test_dtype_grid_cells_that_failed_after_loading_train(cell_id, tiny_model_di
     cell = next(cell for cell in dtype_grid.cells() if cell.id == cell_id)
     result = dtype_grid.run_cell(cell, tiny_model_dir, chat_dir, tmp_path)
     assert result["outcome"] == "trains", result
+
+
+@pytest.mark.multiprocess
+def test_load_time_sets_rank0s_load_against_its_plan(tiny_model_dir, chat_dir, tmp_path):
+    """bench/load_time.py's run on a tiny model: the plan the run made, the seconds rank 0 took between its phase
+    marks, and the collective timeout the run printed."""
+    result = load_time.run("qlora", tiny_model_dir, chat_dir, tmp_path)
+    assert result["measured_s"] > 0 and result["planned_s"] >= 0 and result["covered"]
+    assert result["plan"]["source"] == "measured on rank 0's machine" and result["plan"]["read_gib"] > 0
