@@ -26,7 +26,7 @@ $(STAMP): requirements.txt requirements-test.txt
 	# so no test or run pays for it later; beside it, on the other core, the recipe's imports write their bytecode
 	# (conversion and the first `import train` after it: 59 s one after the other, 45 s so).
 	$(VENV)/bin/python -c "import train, deepspeed" & imports=$$!; \
-	$(VENV)/bin/python -c "import model_files; model_files.convert_default_model()" && wait $$imports
+	$(VENV)/bin/python -c "from recipe.model import model_files; model_files.convert_default_model()" && wait $$imports
 	touch $(STAMP)
 
 .PHONY: setup demo test test-fast

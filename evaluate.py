@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training_data import first_examples
+from recipe.data.training_data import first_examples
 
 
 @dataclass
@@ -73,7 +73,7 @@ def generate_answers(model, tokenizer, prompts: list, max_new_tokens: int = 32, 
 @torch.no_grad()
 def heldout_loss(model, tokenizer, dataset, num_examples: int, text_field: str = "text") -> float:
     """Mean loss per supervised token (the assistant turns / completions) over held-out examples."""
-    from training_data import IGNORE_INDEX, detect_format, tokenize_example
+    from recipe.data.training_data import IGNORE_INDEX, detect_format, tokenize_example
 
     data_format = detect_format(dataset.column_names, text_field)
     total, count = 0.0, 0
@@ -100,9 +100,10 @@ def main() -> None:
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from arguments import DEFAULT_DATASET
-    from training_data import load_splits
-    from model_files import DEFAULT_MODEL_DIR, convert_default_model, load_causal_lm, refuse_pickled_weights
+    from recipe.settings.arguments import DEFAULT_DATASET
+    from recipe.data.training_data import load_splits
+    from recipe.model.model_files import (DEFAULT_MODEL_DIR, convert_default_model, load_causal_lm,
+                                          refuse_pickled_weights)
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", default=DEFAULT_MODEL_DIR)

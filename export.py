@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from checkpoints import COMPLETE, damage
-from report import PLOT_FILE, model_card, read_summary
-from model_files import REPO_DIR, load_causal_lm, local_copy_of, refuse_pickled_weights
+from recipe.engines.checkpoints import COMPLETE, damage
+from recipe.reporting.report import PLOT_FILE, model_card, read_summary
+from recipe.model.model_files import REPO_DIR, load_causal_lm, local_copy_of, refuse_pickled_weights
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -29,7 +29,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def refuse_inside_sharded_run() -> None:
     """Merging needs every weight whole in one process; FSDP and ZeRO-3 hold shards."""
-    from launch import Launch
+    from recipe.platform.launch import Launch
 
     launch = Launch.current()
     if launch.num_processes > 1 or launch.fsdp or launch.deepspeed:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a launch command (its arguments) so that preemption ends it cleanly; every run_peft_*.sh launcher and the SLURM
 # script go through it.
-# - Before the launch, this node's part of it is checked (python launch.py check-node): a machine rank outside
+# - Before the launch, this node's part of it is checked (python -m recipe.platform.launch check-node): a machine rank outside
 #   0..num_machines-1 or other than SLURM_NODEID, a machine rank 0 away from --main_process_ip, or a port already
 #   taken would otherwise leave every node waiting for the rendezvous until it times out. It exits 2 with the setting.
 # - torchrun's agent (inside `accelerate launch`) forwards SIGTERM / SIGINT to the workers, then kills them after
@@ -23,7 +23,7 @@ elif launcher=$(command -v "$1") && read -r shebang < "$launcher" && [[ $shebang
   python=${shebang#\#!}
 fi
 if [[ -n $python ]]; then
-  $python "$(dirname "$0")/launch.py" check-node "$@" || exit 2
+  PYTHONPATH="$(dirname "$0")${PYTHONPATH:+:$PYTHONPATH}" $python -m recipe.platform.launch check-node "$@" || exit 2
 fi
 RECIPE_STOP_REPORT=$(mktemp) && export RECIPE_STOP_REPORT
 signalled=

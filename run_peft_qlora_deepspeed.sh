@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # QLoRA + DeepSpeed ZeRO-3: Llama-2-70B on 2 GPUs. Rank 0 reads and quantizes in host RAM, the other rank builds on
-# the meta device, and DeepSpeed partitions one module at a time (sharding.py; proven on 2 CPU processes).
+# the meta device, and DeepSpeed partitions one module at a time (recipe/engines/sharding.py; proven on 2 CPU processes).
 # Memory:  planned per GPU and host RAM in the README's Launchers table (bench/plan_tables.py makes it from the
 #          planner); `python train.py --check ...` with your flags prints the plan for your run.
 # Usage:   ./run_peft_qlora_deepspeed.sh [train.py flags that override the ones below]

@@ -20,7 +20,7 @@ import gc
 gc.disable()
 # Exit handlers run last-registered first: registered before any library's, this one runs after all of them.
 atexit.register(lambda: leave_if_finished())
-import compat  # first: it imports bitsandbytes before transformers and peft do (compat.py says why)
+from recipe import compat  # first: it imports bitsandbytes before transformers and peft do (compat.py says why)
 import math
 import os
 import statistics
@@ -33,21 +33,21 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback, set_seed
 
-from arguments import ConfigError, parse_arguments
-from checkpoints import StopOnSignal, latest_complete
-from checks import Problem, preflight
-from configuration import Configuration, gather, load_text, memory_plan, planned_run, settle
-import failures
+from recipe.settings.arguments import ConfigError, parse_arguments
+from recipe.engines.checkpoints import StopOnSignal, latest_complete
+from recipe.settings.checks import Problem, preflight
+from recipe.settings.configuration import Configuration, gather, load_text, memory_plan, planned_run, settle
+from recipe.engines import failures
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
-from fast_paths import EAGER_STEPS_MEASURED, compile_each_layer, compile_repays
-from launch import Launch
-from moe import mark_zero3_leaves
-from report import TRAINING_KEYS, write_run_report
-from run_memory import PhasePeaks, return_freed_memory
-from sharding import gather_adapter, hand_to_the_engine, write_adapter, zero3_config
-from trainers import trainer_class
-from training_data import DataError, TrainingData, prepare, summarize
+from recipe.model.fast_paths import EAGER_STEPS_MEASURED, compile_each_layer, compile_repays
+from recipe.platform.launch import Launch
+from recipe.model.moe import mark_zero3_leaves
+from recipe.reporting.report import TRAINING_KEYS, write_run_report
+from recipe.planning.run_memory import PhasePeaks, return_freed_memory
+from recipe.engines.sharding import gather_adapter, hand_to_the_engine, write_adapter, zero3_config
+from recipe.engines.trainers import trainer_class
+from recipe.data.training_data import DataError, TrainingData, prepare, summarize
 from utils import build_model, build_peft_config
 
 gc.freeze()
@@ -218,7 +218,7 @@ def build_base_model(config: Configuration):
                         trust_remote_code=config.training.trust_remote_code, token=config.hub_token,
                         place_on=config.place_on)
     if config.model.use_liger_kernels:
-        from fast_paths import apply_liger_kernels
+        from recipe.model.fast_paths import apply_liger_kernels
 
         log(f"Liger Kernel replaced: {', '.join(apply_liger_kernels(model))}")
     return model

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from fast_paths import PACKED_ATTENTIONS, register_attention
-from model_files import load_causal_lm
+from recipe.model.fast_paths import PACKED_ATTENTIONS, register_attention
+from recipe.model.model_files import load_causal_lm
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -99,7 +99,7 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     if attention in PACKED_ATTENTIONS:
         register_attention(attention)
     quantization_config = build_quantization_config(model_args)
-    from compat import TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED, transformers_zero3_hidden
+    from recipe.compat import TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED, transformers_zero3_hidden
 
     with transformers_zero3_hidden(weights_from_rank0), TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED:
         model = load_causal_lm(
@@ -114,14 +114,14 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     if added_token_ids:
         # Mean-resizing reads the existing rows: not on the meta device (rank 0's rows are broadcast over them anyway)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=device_map != {"": "meta"})
-    import moe
+    from recipe.model import moe
 
     if moe.fused_experts(model):  # left fused by the load (a meta-device model); before the 4-bit state is sent
         moe.split_experts(model, quantization_config)
     if place_on is not None:  # loaded (and quantized) on the host first
         model.to(place_on)
     if weights_from_rank0:
-        from sharding import receive_from_rank0
+        from recipe.engines.sharding import receive_from_rank0
 
         receive_from_rank0(model, device or torch.device("cpu"))
     for module in model.modules():
@@ -142,7 +142,7 @@ def build_peft_config(model_args, added_token_ids: list[int], model=None):
     linear module: PEFT's target_parameters)."""
     from peft import LoraConfig
 
-    import moe
+    from recipe.model import moe
 
     if not model_args.use_peft_lora:
         return None

@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     extra = (["--max_steps", str(args.max_steps), "--logging_steps", "1", "--eval_num_prompts", "4"]
              if args.max_steps else [])
     sys.path.insert(0, str(REPO))
-    from hardware import native_bf16_supported
+    from recipe.platform.hardware import native_bf16_supported
 
     if not native_bf16_supported():
         sys.exit("this CPU has no native bf16: the recipe trains in fp32 here, with nothing to compare")

@@ -62,7 +62,7 @@ def step_matmuls(model_dir: str, lora_r: int, tokens: int, supervised: int) -> l
     """One LoRA training step's matmuls as ((m, k, n), weight_transposed, count): each decoder linear's forward (x @
     W^T) and input gradient (g @ W), its LoRA branch's forward, input and weight gradients, and the LM head's forward
     and input gradient at the supervised positions."""
-    from memory import Shapes, load_config
+    from recipe.planning.memory import Shapes, load_config
 
     shapes = Shapes.of(load_config(model_dir))
     products, r = [], lora_r
@@ -97,8 +97,8 @@ def matmul_seconds(products: list[tuple[tuple, bool, int]], dtype: torch.dtype, 
 def data_shape(data_dir: Path, model: str | Path | None = None) -> dict:
     """Supervised fraction and token-weighted mean example length of the train split, as the recipe tokenizes it with
     `model`'s tokenizer (the default model's when None)."""
-    from configuration import configure
-    from training_data import prepare
+    from recipe.settings.configuration import configure
+    from recipe.data.training_data import prepare
 
     config = configure(["--dataset_name", str(data_dir), "--splits", "train",
                         *(["--model_name_or_path", str(model)] if model else [])])
@@ -114,7 +114,7 @@ def flops_per_token(model_dir: str, lora_r: int, shape: dict) -> float:
     (frozen, so no weight gradients), 6 x LoRA weights (forward, input- and weight-gradients), the LM head's 2 x 2
     x vocab x hidden at the supervised positions only, and causal attention within each example (6 x layers x hidden x
     context, forward and backward). A mixture of experts counts the experts each token is routed to."""
-    from memory import Shapes, load_config
+    from recipe.planning.memory import Shapes, load_config
 
     shapes = Shapes.of(load_config(model_dir))
     head = 4 * shapes.vocab * shapes.hidden * shape["supervised_fraction"]
@@ -208,7 +208,7 @@ def ablation_trainer(model: str, data: str):
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     import train
-    from configuration import configure
+    from recipe.settings.configuration import configure
 
     config = configure(recipe_argv(model, data, 1, REPO / "outputs" / "bench"))
     trainer, _ = train.build_trainer(config, train.build_base_model(config), train.load_data(config))
@@ -228,7 +228,7 @@ def ablation(model: str, data: str, repeats: int) -> tuple[dict[str, dict], int,
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as trl_utils
 
-    from fast_paths import ATTENTION
+    from recipe.model.fast_paths import ATTENTION
 
     trainer, packed, padded = ablation_trainer(model, data)
     wrapped = trainer.accelerator.prepare(trainer.model)  # the Trainer's own wrapping: autocast in bf16
@@ -284,9 +284,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "benchmark.json"))
     args = parser.parse_args()
 
-    from hardware import native_bf16_supported
+    from recipe.platform.hardware import native_bf16_supported
 
-    from model_files import DEFAULT_MODEL_DIR, convert_default_model
+    from recipe.model.model_files import DEFAULT_MODEL_DIR, convert_default_model
 
     convert_default_model()
     precision = "bf16" if native_bf16_supported() else "fp32"

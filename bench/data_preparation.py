@@ -55,10 +55,10 @@ def prepare_once(data_dir: str, cores: int, pin: bool = True, per_process: int |
 
     import datasets
 
-    from arguments import ModelArguments
-    from model_files import convert_default_model
-    import training_data
-    from training_data import prepare
+    from recipe.settings.arguments import ModelArguments
+    from recipe.model.model_files import convert_default_model
+    from recipe.data import training_data
+    from recipe.data.training_data import prepare
     from utils import build_tokenizer
 
     if per_process is not None:

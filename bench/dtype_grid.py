@@ -91,10 +91,10 @@ def launch_command(cell: Cell) -> list[str]:
 def preflight_errors(cell: Cell, model_dir: Path, data_dir: Path, out: Path) -> list[str]:
     """What the recipe's preflight refuses in this cell, on this machine, before any weight is read: the facts of
     this machine, with the launch rank 0 of the cell's `accelerate launch` has (accelerate's own code computes it)."""
-    from arguments import parse_arguments
-    from checks import preflight
-    from configuration import settle
-    from launch import Launch, launch_environment
+    from recipe.settings.arguments import parse_arguments
+    from recipe.settings.checks import preflight
+    from recipe.settings.configuration import settle
+    from recipe.platform.launch import Launch, launch_environment
 
     request = parse_arguments([*run_flags(model_dir, data_dir, out), *cell.flags()])
     env = launch_environment([*launch_command(cell)[3:], "train.py"])
@@ -106,8 +106,8 @@ def preflight_errors(cell: Cell, model_dir: Path, data_dir: Path, out: Path) -> 
 @functools.cache
 def machine_facts(model_dir: str):
     """This machine's facts about the model (the same in every cell: read once)."""
-    from arguments import parse_arguments
-    from configuration import gather
+    from recipe.settings.arguments import parse_arguments
+    from recipe.settings.configuration import gather
 
     return gather(parse_arguments(["--model_name_or_path", model_dir]))
 
@@ -141,7 +141,7 @@ def tiny_model(out: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from model_files import convert_default_model
+    from recipe.model.model_files import convert_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(convert_default_model())
     torch.manual_seed(0)
@@ -162,7 +162,7 @@ def demo_data(out: Path, examples: int = 32) -> Path:
 
 
 def machine() -> dict:
-    from hardware import native_bf16_supported
+    from recipe.platform.hardware import native_bf16_supported
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())

@@ -74,7 +74,7 @@ TRL_SFT_FLAGS = ["--use_peft", *LORA, "--lora_target_modules", "all-linear", "--
 def recipe_tokenizer_dir() -> Path:
     """SmolLM2's tokenizer files: the converted default model's, or those files alone (bench/gpu_check.py carries them
     to a GPU machine instead of the 98 MB GGUF package)."""
-    from model_files import DEFAULT_MODEL_DIR, convert_default_model
+    from recipe.model.model_files import DEFAULT_MODEL_DIR, convert_default_model
 
     folder = Path(DEFAULT_MODEL_DIR)
     return folder if (folder / "tokenizer.json").is_file() else convert_default_model()
@@ -82,7 +82,7 @@ def recipe_tokenizer_dir() -> Path:
 
 def shape_values(shape: str) -> dict:
     """The config values of a named shape: memory.py's preset, with what a checkpoint needs beyond it."""
-    from memory import PRESETS
+    from recipe.planning.memory import PRESETS
 
     return {**PRESETS.get(shape, {}), **SHAPES[shape]}
 
@@ -200,7 +200,7 @@ def dataset(kind: str, work: Path, tokenizer, steps: int) -> Path:
 def recipe_command(setup: str, model: Path, data: Path, out: Path, steps: int, row_tokens: int) -> list[str]:
     flags = {"recipe": [], "recipe-qlora": ["--use_4bit_quantization", "true"], "recipe-loop": [],
              "recipe-liger": ["--use_liger_kernels", "true"], "recipe-compile": ["--torch_compile", "true"]}[setup]
-    from fast_paths import varlen_kernel
+    from recipe.model.fast_paths import varlen_kernel
 
     # one kernel per packed row where this machine has one (flash-attn's or torch's): run_summary.json says which ran
     kernel = (["--use_flash_attn", "true"] if torch.cuda.is_available() and setup != "recipe-loop" and
@@ -213,7 +213,7 @@ def recipe_command(setup: str, model: Path, data: Path, out: Path, steps: int, r
 def trl_attention() -> str:
     """The best attention TRL accepts here: flash-attn's kernel where installed, else sdpa (on padding-free rows
     transformers then builds the block-diagonal mask); eager-free on CPU too."""
-    from hardware import is_flash_attn_installed
+    from recipe.platform.hardware import is_flash_attn_installed
 
     return "flash_attention_2" if torch.cuda.is_available() and is_flash_attn_installed() else "sdpa"
 
@@ -401,7 +401,7 @@ def measure(shape: str, runs: list[str], work: Path, steps: int = WARMUP_STEPS +
     from transformers import AutoConfig, AutoTokenizer
 
     from benchmark import data_shape, flops_per_token, matmul_peak_gflops
-    from hardware import native_bf16_supported
+    from recipe.platform.hardware import native_bf16_supported
 
     model = random_model(shape, work)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -455,7 +455,7 @@ def attention_of(setup: str, out: Path) -> str:
 
 
 def memory_of(out: Path) -> dict | None:
-    from report import memory_against_plan, read_summary
+    from recipe.reporting.report import memory_against_plan, read_summary
 
     return memory_against_plan(read_summary(out))
 

@@ -267,8 +267,8 @@ def attention(dry_run: bool) -> dict:
     sys.path.insert(0, str(REPO / "tests"))
     from test_model_families import FAMILIES, LENGTHS, packed_batch, tiny_model, token_log_likelihood
 
-    from fast_paths import (EXAMPLE_LENGTHS, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for, packed_rows,
-                            register_attention, varlen_kernel)
+    from recipe.model.fast_paths import (EXAMPLE_LENGTHS, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for, packed_rows,
+                                         register_attention, varlen_kernel)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -394,7 +394,7 @@ def launcher(name: str, model_dir: Path, work: Path, dry_run: bool) -> dict:
         logits = reloaded(**batch).logits.float().cpu()
     difference = (logits - trained.cpu()).abs().max().item()
     scale = trained.abs().max().item()
-    from report import memory_against_plan, read_summary
+    from recipe.reporting.report import memory_against_plan, read_summary
 
     losses = [entry["loss"] for entry in report["log_history"] if "loss" in entry]
     memory = memory_against_plan(read_summary(out))
@@ -427,7 +427,7 @@ LOAD = r"""
 import json, sys, torch
 sys.path.insert(0, {repo!r})
 from collections import Counter
-from configuration import configure, memory_plan
+from recipe.settings.configuration import configure, memory_plan
 import train
 config = configure({argv!r})
 planned = memory_plan(config).phases["load"]
@@ -444,7 +444,7 @@ print("LOADED " + json.dumps({{"sharded": config.launch.sharded, "device_map": s
 
 def loading(dry_run: bool, work: Path) -> dict:
     """QLoRA under the FSDP environment `accelerate launch --config_file configs/fsdp_config_qlora.yaml` exports."""
-    from launch import launch_environment
+    from recipe.platform.launch import launch_environment
 
     model_dir = launcher_model(dry_run, work)
     env = launch_environment(["--config_file", "configs/fsdp_config_qlora.yaml", "--num_processes", "1", "train.py"])
@@ -522,10 +522,10 @@ def replanned_row(name: str, argv: list[str], accelerate_config: str | None, mea
     from dataclasses import replace
 
     import train
-    from arguments import parse_arguments
-    from configuration import gather, settle
-    from launch import Launch, launch_environment
-    from memory import CUDA_CONTEXT_GIB
+    from recipe.settings.arguments import parse_arguments
+    from recipe.settings.configuration import gather, settle
+    from recipe.platform.launch import Launch, launch_environment
+    from recipe.planning.memory import CUDA_CONTEXT_GIB
 
     request = parse_arguments([*argv, "--gpu_gib", str(gpu_gib)])
     env = launch_environment(["--config_file", accelerate_config, "--num_processes", "1", "train.py"]) \

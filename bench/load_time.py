@@ -37,7 +37,7 @@ def random_model(out: Path, hidden: int = 2048, layers: int = 30) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from model_files import convert_default_model
+    from recipe.model.model_files import convert_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(convert_default_model())
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,

@@ -92,7 +92,7 @@ def make_model(name: str, cache: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from model_files import convert_default_model
+    from recipe.model.model_files import convert_default_model
 
     out, made = cache / name, cache / f"{name}.made"  # written last: a run killed while saving starts over
     if made.exists():
@@ -283,9 +283,9 @@ def planned(case: Case, model_dir: Path, data_dir: Path, out: Path) -> dict[str,
     """The plan train.py makes for the case's flags in each process of its launch on this machine."""
     from dataclasses import replace
 
-    from arguments import parse_arguments
-    from configuration import gather, memory_plan, settle
-    from launch import Launch, launch_environment
+    from recipe.settings.arguments import parse_arguments
+    from recipe.settings.configuration import gather, memory_plan, settle
+    from recipe.platform.launch import Launch, launch_environment
 
     request = parse_arguments(case.flags(model_dir, data_dir, out))
     facts = gather(request)  # this process: one CPU process
@@ -351,7 +351,7 @@ def adapter_on_the_stock_model(model_dir: Path, adapter_dir: Path) -> dict[str, 
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    import moe
+    from recipe.model import moe
 
     ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
     logits = []

@@ -42,7 +42,7 @@ def tiny_model(out: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from model_files import convert_default_model
+    from recipe.model.model_files import convert_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(convert_default_model())
     torch.manual_seed(0)
@@ -63,9 +63,9 @@ def measure(argv: list[str]) -> dict:
 
 
 def main() -> None:
-    from memory import GIB, Run, Shapes, load_config, plan
-    from hardware import native_bf16_supported
-    from model_files import DEFAULT_MODEL_DIR
+    from recipe.planning.memory import GIB, Run, Shapes, load_config, plan
+    from recipe.platform.hardware import native_bf16_supported
+    from recipe.model.model_files import DEFAULT_MODEL_DIR
 
     precision = "bf16" if native_bf16_supported() else "fp32"
     work = Path(tempfile.mkdtemp())

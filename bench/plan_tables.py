@@ -53,9 +53,9 @@ def host_by_phase(plan) -> str:
 
 
 def model_row(model_dir: Path) -> str:
-    from memory import ALLOCATOR_HEADROOM
-    from checks import preflight
-    from configuration import configure, memory_plan
+    from recipe.planning.memory import ALLOCATOR_HEADROOM
+    from recipe.settings.checks import preflight
+    from recipe.settings.configuration import configure, memory_plan
 
     config = configure(["--model_name_or_path", str(model_dir), *MODEL_FLAGS])
     plans = {on: memory_plan(config, checkpointing=on).per_gpu_total * ALLOCATOR_HEADROOM for on in (False, True)}
@@ -95,7 +95,7 @@ def launcher_check_argv(script: str, model_dir: Path, gpu_gib: float, **env: str
 def launcher_plan(script: str, model_dir: Path, **env: str):
     """The launcher's accelerate config file, its settled configuration and its memory plan (`env`: the launcher's
     variables, e.g. ACCELERATE_CONFIG)."""
-    from configuration import configure, memory_plan
+    from recipe.settings.configuration import configure, memory_plan
 
     argv = launcher_check_argv(script, model_dir, LAUNCHERS[script][1], **env)
     config = configure(argv)
@@ -141,7 +141,7 @@ def qlora_64gb(model_dir: Path) -> str:
 
 def gpt_oss_one_gpu() -> str:
     """gpt-oss-20b QLoRA on one 24 GB GPU (no accelerate config), one 2048-token row per step, as memory.py plans it."""
-    from memory import ALLOCATOR_HEADROOM, Run, Shapes, load_config, plan
+    from recipe.planning.memory import ALLOCATOR_HEADROOM, Run, Shapes, load_config, plan
 
     shapes = Shapes.of(load_config(str(REPO / "configs" / "models" / "gpt-oss-20b")))
     run = Run(method="qlora", engine="none", gpus=1, batch=1, seq=2048, eager_attention=True, lora_r=16,

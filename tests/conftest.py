@@ -124,8 +124,8 @@ def signal_tree(pid: int, signum: int) -> None:
 def settled(argv=(), **facts):
     """The configuration settle() makes of `argv` with the given facts (default: one CPU process, no native bf16,
     nothing read from disk), so a unit test's verdict never depends on the machine it runs on."""
-    from arguments import parse_arguments
-    from configuration import Facts, settle
+    from recipe.settings.arguments import parse_arguments
+    from recipe.settings.configuration import Facts, settle
 
     return settle(parse_arguments(list(argv)), Facts(**facts))
 
@@ -133,7 +133,7 @@ def settled(argv=(), **facts):
 def base_model(argv):
     """The base model exactly as train.py builds it for `argv`, before any training."""
     import train
-    from configuration import configure
+    from recipe.settings.configuration import configure
 
     return train.build_base_model(configure(list(argv))).eval()
 
@@ -174,7 +174,7 @@ def pytest_generate_tests(metafunc):
     and as on a CPU without native bf16 (hardware.NATIVE_BF16_SWITCH=0, which the recipe's subprocesses inherit)."""
     if metafunc.definition.get_closest_marker("native_bf16") is None:
         return
-    from hardware import native_bf16_supported
+    from recipe.platform.hardware import native_bf16_supported
 
     if "repeat_without_native_bf16" not in metafunc.fixturenames:
         metafunc.fixturenames.append("repeat_without_native_bf16")
@@ -185,7 +185,7 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture
 def repeat_without_native_bf16(request, monkeypatch) -> bool:
     """True in the second pass of a native_bf16 test on a machine with native bf16, where the probe now says no."""
-    from hardware import NATIVE_BF16_SWITCH, native_bf16_supported
+    from recipe.platform.hardware import NATIVE_BF16_SWITCH, native_bf16_supported
 
     if request.param == "no-native-bf16" and native_bf16_supported():
         monkeypatch.setenv(NATIVE_BF16_SWITCH, "0")
@@ -195,7 +195,7 @@ def repeat_without_native_bf16(request, monkeypatch) -> bool:
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    from model_files import convert_default_model
+    from recipe.model.model_files import convert_default_model
 
     return convert_default_model()
 
@@ -256,7 +256,7 @@ def chat_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def recipe_examples(smol_tokenizer):
     """The first n train examples of a data folder, tokenized as the recipe tokenizes them (input_ids, labels)."""
-    from training_data import drop_bad, load_splits, tokenize_splits
+    from recipe.data.training_data import drop_bad, load_splits, tokenize_splits
 
     def tokenize(source: Path, n: int) -> list[dict]:
         raw, _, data_format, _ = load_splits(str(source), ["train"])

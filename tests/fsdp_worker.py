@@ -91,7 +91,7 @@ def live_tensor_bytes() -> int:
 def record_routing() -> dict[int, list[list[int]]]:
     """For each MoE layer of this rank (moe.ExpertLinears, in order of first call), the experts each training forward
     routed tokens to."""
-    import moe
+    from recipe.model import moe
 
     reached: dict[int, list[list[int]]] = {}
     order: dict[int, int] = {}

@@ -5,7 +5,7 @@ import json
 import pytest
 from conftest import settled
 
-from arguments import ConfigError, parse_arguments
+from recipe.settings.arguments import ConfigError, parse_arguments
 
 REFERENCE_FLAGS = [
     "--model_name_or_path", "some/model", "--chat_template_format", "chatml", "--lora_r", "8", "--lora_alpha", "16",

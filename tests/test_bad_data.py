@@ -6,7 +6,7 @@ import random
 import pytest
 from conftest import tiny_run_args
 
-from training_data import BadExample, DataError, load_splits, tokenize_splits
+from recipe.data.training_data import BadExample, DataError, load_splits, tokenize_splits
 
 GOOD = {"messages": [{"role": "user", "content": "Convert 1 May 2000"}, {"role": "assistant", "content": "2000-05-01"}]}
 BAD_LINES = {
@@ -143,7 +143,7 @@ def long_chats(count: int, rng: random.Random) -> list[dict]:
 @pytest.mark.e2e
 def test_long_conversations_train_truncated_and_are_reported(tmp_path, tiny_model_dir, smol_tokenizer, capsys):
     import train
-    from training_data import prepare
+    from recipe.data.training_data import prepare
 
     write(tmp_path / "train.jsonl", [json.dumps(chat) for chat in long_chats(32, random.Random(0))])
     # What truncation to 128 tokens loses, counted from the untruncated tokenization

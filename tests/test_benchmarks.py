@@ -201,7 +201,7 @@ def test_the_trl_sft_command_in_the_docs_is_the_one_the_speed_part_runs():
 
 def test_nemo_lora_count_gives_nemo_automodels_published_llama_3_8b_figure():
     """NeMo AutoModel's LoRA table: Llama3 8B, 2 x 4096 tokens, one H100, 402 TFLOP/s at 12,472.87 tokens/s."""
-    from memory import load_config
+    from recipe.planning.memory import load_config
 
     import gpu_benchmark
 
@@ -253,7 +253,7 @@ def test_adapter_dtype_trains_the_default_run_with_each_adapter_dtype(capsys, re
     """bench/adapter_dtype.py, 3 steps a run: bf16 adapters are bf16 and fp32 ones fp32; on a CPU without native bf16
     it stops with why."""
     import adapter_dtype
-    from hardware import native_bf16_supported
+    from recipe.platform.hardware import native_bf16_supported
 
     if not native_bf16_supported():  # this CPU, or the second pass on one with native bf16
         with pytest.raises(SystemExit, match="no native bf16"):
@@ -310,7 +310,7 @@ FAILED_AFTER_LOADING = ["fsdp2_config_qlora:qlora-bfloat16-bfloat16:fp32",
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("cell_id", FAILED_AFTER_LOADING)
 def test_dtype_grid_cells_that_failed_after_loading_train(cell_id, tiny_model_dir, chat_dir, tmp_path, monkeypatch):
-    from hardware import NATIVE_BF16_SWITCH
+    from recipe.platform.hardware import NATIVE_BF16_SWITCH
 
     monkeypatch.setenv(NATIVE_BF16_SWITCH, "1")  # DeepSpeed's config trains in bf16 (emulated where a CPU lacks it)
     dtype_grid.machine_facts.cache_clear()

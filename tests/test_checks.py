@@ -3,11 +3,11 @@
 import pytest
 from conftest import free_port, settled
 
-import checks
-from checks import preflight
-from launch import Launch, launch_environment
-from memory import load_config
-from model_files import REPO_DIR
+from recipe.settings import checks
+from recipe.settings.checks import preflight
+from recipe.platform.launch import Launch, launch_environment
+from recipe.planning.memory import load_config
+from recipe.model.model_files import REPO_DIR
 
 CONFIGS = REPO_DIR / "configs"
 
@@ -151,7 +151,7 @@ def test_bf16_rule_follows_the_hardware():
 def test_layer_class_to_wrap_is_the_models_own(tiny_model_dir, monkeypatch):
     from transformers import AutoConfig
 
-    import memory
+    from recipe.planning import memory
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     fsdp = launch("fsdp2_config.yaml")
@@ -257,7 +257,7 @@ def test_fsdp2_mixed_precision_casts_packed_4bit_weights_unless_stored_in_its_dt
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from sharding import hand_to_the_engine
+    from recipe.engines.sharding import hand_to_the_engine
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -282,7 +282,7 @@ def test_fsdp2_mixed_precision_casts_packed_4bit_weights_unless_stored_in_its_dt
 def test_unsafe_or_unpublishable_inputs_are_refused_before_anything_loads(tmp_path, tiny_model_dir):
     from transformers import AutoConfig
 
-    from checkpoints import COMPLETE
+    from recipe.engines.checkpoints import COMPLETE
 
     # A checkpoint another script wrote (or a kill left): its pickles are read only if trusted
     unmarked = tmp_path / "checkpoint-4"

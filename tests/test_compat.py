@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import compat
+from recipe import compat
 
 
 @pytest.mark.parametrize("package, version", [("peft", compat.PEFT_VERSION), ("trl", compat.TRL_VERSION),
@@ -106,9 +106,10 @@ def test_the_recipe_starts_without_importing_torchs_inductor_or_deepspeed():
     import subprocess
     import sys
 
-    from model_files import REPO_DIR
+    from recipe.model.model_files import REPO_DIR
 
-    probe = ("import gc, sys, torch, train, compat; from accelerate.utils import extract_model_from_parallel; "
+    probe = ("import gc, sys, torch, train; from recipe import compat; "
+             "from accelerate.utils import extract_model_from_parallel; "
              "compat.ACCELERATE_ASKS_DEEPSPEED_ONLY_ONCE_IMPORTED.apply(); "
              "extract_model_from_parallel(torch.nn.Linear(2, 2)); "
              "print(sorted(m for m in sys.modules if m.startswith(('torch._inductor.compile_fx', 'deepspeed'))),"

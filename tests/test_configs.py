@@ -7,8 +7,8 @@ import yaml
 from conftest import settled
 
 from distributed import deepspeed_to_fsdp, fsdp_to_deepspeed, translate
-from launch import launch_environment
-from model_files import REPO_DIR
+from recipe.platform.launch import launch_environment
+from recipe.model.model_files import REPO_DIR
 
 CONFIG_FILES = sorted((REPO_DIR / "configs").glob("*.yaml"))
 ACCELERATE_CONFIGS = [p for p in CONFIG_FILES if "distributed_type" in yaml.safe_load(p.read_text())]

@@ -5,11 +5,11 @@ import pytest
 import torch
 from conftest import settled
 
-from arguments import RECIPE_DEFAULTS, ConfigError
-from checks import preflight
-from configuration import gather
-from launch import Launch
-from memory import load_config
+from recipe.settings.arguments import RECIPE_DEFAULTS, ConfigError
+from recipe.settings.checks import preflight
+from recipe.settings.configuration import gather
+from recipe.platform.launch import Launch
+from recipe.planning.memory import load_config
 
 
 def decided(config) -> dict:
@@ -138,7 +138,7 @@ def test_torch_compile_exports_per_layer_settings_unless_the_launch_sets_them():
 
 
 def test_the_native_bf16_switch_overrides_the_probe(monkeypatch):
-    from hardware import native_bf16_supported
+    from recipe.platform.hardware import native_bf16_supported
 
     for value, expected in (("0", False), ("1", True)):
         monkeypatch.setenv("RECIPE_NATIVE_BF16", value)
@@ -149,7 +149,7 @@ def test_the_native_bf16_switch_overrides_the_probe(monkeypatch):
 
 
 def test_gather_reads_the_model_the_tokenizer_and_the_switch(tiny_model_dir, monkeypatch):
-    from arguments import parse_arguments
+    from recipe.settings.arguments import parse_arguments
 
     monkeypatch.setenv("RECIPE_NATIVE_BF16", "0")
     facts = gather(parse_arguments(["--model_name_or_path", str(tiny_model_dir)]))
@@ -221,8 +221,8 @@ def test_the_collective_timeout_covers_rank0s_planned_load_then_shortens_once_th
     """While rank 0 reads (and quantizes) the base, the other ranks wait in their first collective: the timeout set
     before the process group starts covers twice rank 0's planned load, and the training timeout applies once the
     weights are in place; a --ddp_timeout shorter than the plan is refused before loading, with the fix."""
-    from configuration import COLLECTIVE_TIMEOUT_S
-    from memory import LoadRates
+    from recipe.settings.configuration import COLLECTIVE_TIMEOUT_S
+    from recipe.planning.memory import LoadRates
 
     two = Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
                   "FSDP_SYNC_MODULE_STATES": "true"}, 2)
@@ -248,7 +248,7 @@ def test_the_collective_timeout_covers_rank0s_planned_load_then_shortens_once_th
 
 
 def test_the_load_probes_measure_this_machine(tmp_path):
-    from hardware import cold_read_gib_per_s, quantize_gib_per_s
+    from recipe.platform.hardware import cold_read_gib_per_s, quantize_gib_per_s
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(bytes(8 * 2**20))

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import tiny_run_args
 
-from training_data import IGNORE_INDEX, detect_format, load_splits, tokenize_example, tokenize_splits
-from arguments import ModelArguments
+from recipe.data.training_data import IGNORE_INDEX, detect_format, load_splits, tokenize_example, tokenize_splits
+from recipe.settings.arguments import ModelArguments
 from utils import build_tokenizer
 
 CHAT = [
@@ -245,7 +245,7 @@ def test_supervised_labels_keep_exactly_the_tokens_that_start_inside_a_span():
     special tokens' (0, 0) at both ends, tokens sharing a start, and spans given out of order."""
     import random
 
-    from training_data import supervised_labels
+    from recipe.data.training_data import supervised_labels
 
     rng = random.Random(0)
     for _ in range(200):
@@ -262,7 +262,7 @@ def test_supervised_labels_keep_exactly_the_tokens_that_start_inside_a_span():
 
 def test_tokenizing_in_processes_gives_the_rows_of_one_process_in_order_and_raises_a_workers_error(
         smol_tokenizer, chat_dir):
-    from training_data import map_in_processes
+    from recipe.data.training_data import map_in_processes
 
     raw, _, data_format, _ = load_splits(str(chat_dir), ["train"])
     options = dict(fn_kwargs=dict(tokenizer=smol_tokenizer, data_format=data_format, text_field="text",
@@ -288,7 +288,7 @@ def test_each_rank_tokenizes_with_its_share_of_the_cores(argv, env, expected):
     import os
 
     from conftest import settled
-    from launch import Launch
+    from recipe.platform.launch import Launch
 
     launch = Launch({**env}, int(env.get("WORLD_SIZE", 1)))
     config = settled(argv, launch=launch)

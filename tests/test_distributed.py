@@ -13,8 +13,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 import train
-from memory import Run, Shapes, load_config, plan
-from model_files import REPO_DIR
+from recipe.planning.memory import Run, Shapes, load_config, plan
+from recipe.model.model_files import REPO_DIR
 
 pytestmark = pytest.mark.multiprocess
 WORKER = REPO_DIR / "tests" / "fsdp_worker.py"
@@ -198,7 +198,7 @@ sys.path.insert(0, {repo!r})
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import LlamaConfig, LlamaForCausalLM
-from trainers import keep_fsdp1_buffers_in_fp32
+from recipe.engines.trainers import keep_fsdp1_buffers_in_fp32
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
 dist.init_process_group("gloo", rank=0, world_size=1)
 seen = {{}}

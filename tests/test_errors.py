@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 import train
-from model_files import REPO_DIR
+from recipe.model.model_files import REPO_DIR
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import export
 import train
-from model_files import REPO_DIR
+from recipe.model.model_files import REPO_DIR
 
 pytestmark = pytest.mark.e2e
 TINY_ID = "someone/tiny-llama"  # the Hub id the tiny base stands for (recorded instead of its folder in /tmp)

@@ -4,9 +4,9 @@
 import pytest
 import torch
 
-from compat import TRL_SCORES_LABELLED_POSITIONS_ON_CPU
-from fast_paths import register_attention
-from training_data import ORIGIN, tokenize_splits
+from recipe.compat import TRL_SCORES_LABELLED_POSITIONS_ON_CPU
+from recipe.model.fast_paths import register_attention
+from recipe.data.training_data import ORIGIN, tokenize_splits
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 from conftest import settled
 
-from launch import launch_environment
-from model_files import REPO_DIR
+from recipe.platform.launch import launch_environment
+from recipe.model.model_files import REPO_DIR
 
 LAUNCHERS = sorted(REPO_DIR.glob("run_*.sh"))
 RECORDER = f"""#!{sys.executable}

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import REPO, settled
 
-import checks
-from memory import ALLOCATOR_HEADROOM, GIB, Run, Shapes, load_config, plan
+from recipe.settings import checks
+from recipe.planning.memory import ALLOCATOR_HEADROOM, GIB, Run, Shapes, load_config, plan
 
 
 def test_counts_match_the_real_model_and_peft(tiny_model_dir):
@@ -68,7 +68,7 @@ def test_preflight_warns_when_the_plan_does_not_fit(tiny_model_dir):
 
 @pytest.mark.e2e
 def test_command_prints_breakdown_assumptions_and_verdict(capsys):
-    from memory import main  # `python memory.py ARGS` is main(ARGS), in-process here (no interpreter start-up)
+    from recipe.planning.memory import main  # `python memory.py ARGS` is main(ARGS), in-process (no interpreter start)
 
     main(["--model", "llama-2-70b", "--method", "qlora", "--engine", "fsdp", "--gpus", "2", "--offload", "--batch", "2",
           "--seq", "2048", "--gpu_gib", "24"])
@@ -83,7 +83,7 @@ def test_the_loss_tiles_are_trls():
     import trl.trainer.utils as trl_utils
     from trl.kernels import chunked_logprob
 
-    from memory import LOSS_TILE_TOKENS, LOSS_TILE_VOCAB, TRL_LOSS_VERSION
+    from recipe.planning.memory import LOSS_TILE_TOKENS, LOSS_TILE_VOCAB, TRL_LOSS_VERSION
 
     assert chunked_logprob.TOKEN_CHUNK_SIZE == LOSS_TILE_TOKENS
     assert trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE == LOSS_TILE_VOCAB
@@ -99,7 +99,7 @@ def test_fsdp2_units_are_accelerates():
     from accelerate.utils import fsdp_utils
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    from memory import FSDP2_UNITS_ACCELERATE
+    from recipe.planning.memory import FSDP2_UNITS_ACCELERATE
 
     assert accelerate.__version__.startswith(FSDP2_UNITS_ACCELERATE)
     prepare = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
@@ -225,7 +225,7 @@ import json, sys
 sys.path.insert(0, {repo!r})
 import torch
 from trl.kernels import ChunkedLogProbFunction
-from run_memory import GIB, PhasePeaks
+from recipe.planning.run_memory import GIB, PhasePeaks
 
 def peak_bytes_per_element(softcap):
     hidden = torch.randn(1024, 64, requires_grad=True)
@@ -255,8 +255,8 @@ def test_the_loss_backward_holds_what_the_plan_counts_per_tile_element():
 
     from conftest import REPO
 
-    from memory import LOSS_TILE_SOFTCAP_BYTES, LOSS_TILE_TORCH_BYTES
-    from run_memory import MMAP_THRESHOLD_BYTES
+    from recipe.planning.memory import LOSS_TILE_SOFTCAP_BYTES, LOSS_TILE_TORCH_BYTES
+    from recipe.planning.run_memory import MMAP_THRESHOLD_BYTES
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)}
     result = subprocess.run([sys.executable, "-c", LOSS_TILE_PROBE.format(repo=str(REPO))], capture_output=True,
@@ -270,7 +270,7 @@ def test_the_loss_backward_holds_what_the_plan_counts_per_tile_element():
 def test_eager_attention_adds_each_examples_scores_once_per_layer_or_once_with_checkpointing():
     """eager_varlen (Gemma-2, gpt-oss) keeps each example's seq x seq scores per head (what it keeps per score:
     test_each_layer_keeps_what_the_plan_counts), in every layer, or in the one recomputed with checkpointing."""
-    from memory import eager_score_bytes
+    from recipe.planning.memory import eager_score_bytes
 
     shapes = Shapes.of(load_config("llama-2-7b"))
     for checkpointing, layers in ((True, 1), (False, shapes.num_layers)):
@@ -313,8 +313,8 @@ def saved_bytes_of_layers(family: str, layers: int, method: str, precision: str,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from fast_paths import CPU_FP32_ATTENTION_UP_TO, attention_for, register_attention
-    from moe import fused_experts, split_experts
+    from recipe.model.fast_paths import CPU_FP32_ATTENTION_UP_TO, attention_for, register_attention
+    from recipe.model.moe import fused_experts, split_experts
 
     length = CPU_FP32_ATTENTION_UP_TO + 128
     config = probe_config(family, layers)
@@ -367,8 +367,8 @@ def test_each_layer_keeps_what_the_plan_counts(family, method, precision, dropou
     head and the loss cancel out) against memory.layer_activation_bytes and eager_score_bytes, within 5% (the router's
     few values per token are not counted). The old count (10 x hidden + 2 x kv + 5 x intermediate values, plus each
     branch's input again in the adapter's dtype) was up to 1.7 times this."""
-    from fast_paths import CPU_FP32_ATTENTION_UP_TO, EAGER_ATTENTION, attention_for
-    from memory import eager_score_bytes, layer_activation_bytes
+    from recipe.model.fast_paths import CPU_FP32_ATTENTION_UP_TO, EAGER_ATTENTION, attention_for
+    from recipe.planning.memory import eager_score_bytes, layer_activation_bytes
 
     examples, length = 2, CPU_FP32_ATTENTION_UP_TO + 128
     tokens = examples * length

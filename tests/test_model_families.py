@@ -13,9 +13,9 @@ import transformers
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
-from fast_paths import (EXAMPLE_LENGTHS, FLEX_ATTENTION, KERNEL_ATTENTION, WithExampleLengths, attention_for,
-                        packed_rows, register_attention, sdpa_varlen_forward)
-from model_files import REPO_DIR
+from recipe.model.fast_paths import (EXAMPLE_LENGTHS, FLEX_ATTENTION, KERNEL_ATTENTION, WithExampleLengths,
+                                     attention_for, packed_rows, register_attention, sdpa_varlen_forward)
+from recipe.model.model_files import REPO_DIR
 
 WINDOW = 8  # shorter than the examples below, so a window that is ignored changes the numbers
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -201,7 +201,7 @@ def test_an_older_torchs_causal_varlen_kernel_gets_every_head_its_keys_and_the_m
     only), which refuses grouped heads as the op does."""
     import torch.nn.attention.varlen as varlen
 
-    import fast_paths
+    from recipe.model import fast_paths
 
     def causal_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
         assert is_causal and query.shape[1] == key.shape[1]
@@ -226,7 +226,7 @@ def test_an_older_torchs_causal_varlen_kernel_gets_every_head_its_keys_and_the_m
 
 
 def test_the_kernel_refuses_what_it_cannot_compute():
-    from fast_paths import kernel_varlen_forward
+    from recipe.model.fast_paths import kernel_varlen_forward
 
     model = tiny_model("llama")
     attention = model.model.layers[0].self_attn

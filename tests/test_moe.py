@@ -11,8 +11,8 @@ import transformers
 from conftest import tiny_run_args
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-import moe
-from model_files import REPO_DIR
+from recipe.model import moe
+from recipe.model.model_files import REPO_DIR
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=512)
@@ -134,8 +134,8 @@ def test_each_layers_experts_are_split_and_quantized_as_they_load(family, layout
     model is the one a load followed by moe.split_experts builds, to the bit."""
     from safetensors.torch import save_file
 
-    import compat
-    from model_files import load_causal_lm
+    from recipe import compat
+    from recipe.model.model_files import load_causal_lm
 
     original = tiny_moe(family, dtype=torch.bfloat16)
     original.save_pretrained(tmp_path)
@@ -205,7 +205,7 @@ def test_lora_adapts_every_expert_not_the_router_and_the_adapter_loads_onto_the_
 def test_router_is_adapted_only_when_asked():
     from peft import get_peft_model
 
-    from arguments import ModelArguments
+    from recipe.settings.arguments import ModelArguments
     from train import adapted_matrices
     from utils import build_peft_config
 
@@ -356,7 +356,7 @@ def test_two_processes_equal_one_process(case, moe_dirs, mixtral32_dir, chat_dir
 
 
 def test_planner_counts_every_expert_for_memory_and_the_routed_ones_for_activations():
-    from memory import Shapes, load_config
+    from recipe.planning.memory import Shapes, load_config
 
     shapes = Shapes.of(load_config(str(REPO_DIR / "configs" / "models" / "Mixtral-8x7B-v0.1")))
     assert (shapes.experts, shapes.experts_per_token) == (8, 2)
@@ -371,8 +371,8 @@ def test_a_4bit_mixture_on_one_gpu_loads_on_the_host_and_moves_after_the_split()
     (gpt-oss-20b: 36 GiB), so the run loads on the host, splits and quantizes there, then moves."""
     from conftest import settled
 
-    from launch import Launch
-    from memory import load_config
+    from recipe.platform.launch import Launch
+    from recipe.planning.memory import load_config
 
     config = settled(["--model_name_or_path", "openai/gpt-oss-20b", "--use_4bit_quantization", "true"], cuda=True,
                      here=True, gpu_gib=24, launch=Launch({}, 1),
@@ -383,10 +383,10 @@ def test_a_4bit_mixture_on_one_gpu_loads_on_the_host_and_moves_after_the_split()
 @pytest.mark.parametrize("model", ["Mixtral-8x7B-v0.1", "Qwen3-30B-A3B"])
 def test_moe_qlora_on_two_24gb_gpus_plans_under_20_gib_per_gpu(model):
     """The shipped 2 x 24 GB QLoRA config, as the README's verdict table plans it."""
-    from memory import ALLOCATOR_HEADROOM
+    from recipe.planning.memory import ALLOCATOR_HEADROOM
 
-    from checks import preflight
-    from configuration import configure, memory_plan
+    from recipe.settings.checks import preflight
+    from recipe.settings.configuration import configure, memory_plan
 
     config = configure(["--model_name_or_path", str(REPO_DIR / "configs" / "models" / model), "--check",
                         "--accelerate_config", "configs/fsdp2_config_qlora.yaml", "--gpu_gib", "24",
@@ -399,8 +399,8 @@ def test_moe_qlora_on_two_24gb_gpus_plans_under_20_gib_per_gpu(model):
 def test_an_mxfp4_checkpoint_is_refused_with_the_fix():
     from conftest import settled
 
-    from checks import mxfp4_checkpoint
-    from memory import load_config
+    from recipe.settings.checks import mxfp4_checkpoint
+    from recipe.planning.memory import load_config
 
     config = settled(["--model_name_or_path", "openai/gpt-oss-20b"],
                      model_config=load_config(str(REPO_DIR / "configs" / "models" / "gpt-oss-20b")))

@@ -20,9 +20,9 @@ from conftest import end_together, free_port, node_launch, signal_tree, tiny_run
 from safetensors.torch import load_file
 from test_reliability import losses, recipe, straight_run
 
-from checkpoints import COMPLETE, checkpoints, latest_complete
-from launch import machine_settings, node_problems
-from model_files import REPO_DIR
+from recipe.engines.checkpoints import COMPLETE, checkpoints, latest_complete
+from recipe.platform.launch import machine_settings, node_problems
+from recipe.model.model_files import REPO_DIR
 
 MULTINODE_FSDP2 = REPO_DIR / "configs" / "fsdp2_config_multinode.yaml"
 
@@ -97,7 +97,7 @@ def test_a_wrong_machine_rank_or_a_taken_port_is_named_before_anything_starts():
 
 def test_only_a_lost_rank_or_a_collective_timeout_is_reported_as_one():
     """Those end the run with one line and the resume; any other error keeps its traceback."""
-    from failures import lost_rank
+    from recipe.engines.failures import lost_rank
 
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18823. This is "
                         "typically caused by a remote worker crashing.\nmore")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import train
-from configuration import configure
+from recipe.settings.configuration import configure
 
 REFERENCE = Path(__file__).parent / "reference"
 

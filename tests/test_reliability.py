@@ -16,8 +16,8 @@ import torch
 from conftest import signal_tree, tiny_run_args
 from safetensors.torch import load_file
 
-from checkpoints import COMPLETE, checkpoints, latest_complete, rotate
-from model_files import REPO_DIR
+from recipe.engines.checkpoints import COMPLETE, checkpoints, latest_complete, rotate
+from recipe.model.model_files import REPO_DIR
 
 
 def recipe(model_dir, data_dir, out, steps=8, *extra):
@@ -187,7 +187,7 @@ def test_sigterm_to_a_launch_saves_every_rank_at_one_step_past_the_default_grace
 def test_a_repeated_signal_interrupts_no_save(capsys):
     """The launcher's forwarded SIGTERM after SLURM's own is ignored, and so is any signal while a checkpoint is being
     saved; the first one alone decides (this process signals itself; its handlers are restored afterwards)."""
-    from checkpoints import StopOnSignal
+    from recipe.engines.checkpoints import StopOnSignal
 
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -264,7 +264,7 @@ def test_disk_full_during_a_save_is_reported(tiny_model_dir, chat_dir, tmp_path,
     import errno
 
     import train
-    from checkpoints import CompleteCheckpointsMixin
+    from recipe.engines.checkpoints import CompleteCheckpointsMixin
 
     def full(self, model, trial):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "checkpoint-2"))
@@ -328,7 +328,7 @@ def test_a_full_disk_is_recognised_whichever_library_hits_it(small_filesystem):
     pos"); the run still reports it as a full disk, not as a crash."""
     from safetensors.torch import save_file
 
-    from failures import write_failure
+    from recipe.engines.failures import write_failure
 
     fill(small_filesystem)
     tensors = {"w": torch.zeros(100_000)}
@@ -363,9 +363,9 @@ def test_a_rank_that_fails_stops_the_ranks_of_every_machine_through_the_rendezvo
     rank on another machine than the failed one says the error once."""
     from datetime import timedelta
 
-    import failures
+    from recipe.engines import failures
     from conftest import free_port
-    from launch import Launch
+    from recipe.platform.launch import Launch
 
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))

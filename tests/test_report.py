@@ -2,7 +2,7 @@
 
 from xml.etree import ElementTree
 
-from report import plot_history
+from recipe.reporting.report import plot_history
 
 SVG = "{http://www.w3.org/2000/svg}"
 

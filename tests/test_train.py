@@ -12,10 +12,10 @@ from conftest import base_model, losses, probe_logits, settled, tiny_run_args
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-import checks
+from recipe.settings import checks
 import train
-from configuration import configure
-from model_files import REPO_DIR
+from recipe.settings.configuration import configure
+from recipe.model.model_files import REPO_DIR
 
 # The tiny fp32 LoRA run (tiny_run_args on the first 64 demo conversations, 6 steps, seed 42), recorded on 2026-12-01
 # (AMD EPYC, AVX2, torch 2.13.0 CPU). A change in the data, the masks, the loss or the optimizer moves them by far more
@@ -106,7 +106,7 @@ def test_a_run_left_to_its_default_compiles_its_layers_once_the_steps_left_repay
     """--torch_compile unset on one CPU process: after the first step and 3 more, each decoder layer is compiled when
     the steps left save more than compiling costs (here made free, or dear), and the run trains on. Through dynamo
     and AOTAutograd, as the test above (inductor builds C++ that says nothing more here)."""
-    import fast_paths
+    from recipe.model import fast_paths
 
     monkeypatch.setitem(fast_paths.COMPILE_SECONDS, "cpu", 0.0 if repaid else 1e6)
     monkeypatch.setattr(train, "compile_each_layer", lambda model, backend: fast_paths.compile_each_layer(
@@ -126,7 +126,7 @@ def test_a_run_left_to_its_default_compiles_its_layers_once_the_steps_left_repay
 
 
 def test_compiling_repays_when_the_steps_left_save_more_than_twice_its_cost():
-    from fast_paths import COMPILE_SECONDS, COMPILED_STEP_RATIO, compile_repays
+    from recipe.model.fast_paths import COMPILE_SECONDS, COMPILED_STEP_RATIO, compile_repays
 
     saving_per_step = 2.0 * (1 - COMPILED_STEP_RATIO["cpu"])
     enough = int(2 * COMPILE_SECONDS["cpu"] / saving_per_step) + 1
@@ -205,7 +205,7 @@ def test_default_run_improves_held_out_exact_match(smol_dir, tmp_path):
 
 def test_shipped_demo_data_is_what_the_generator_makes():
     from data.make_dates_dataset import make_splits
-    from model_files import REPO_DIR
+    from recipe.model.model_files import REPO_DIR
 
     splits = make_splits(n_train=512, n_test=64, seed=0)
     for split, rows in splits.items():
@@ -222,7 +222,7 @@ def test_exact_match_normalises_whitespace_case_and_a_final_period():
 
 
 def test_resume_latest_picks_the_newest_complete_checkpoint(tmp_path):
-    from checkpoints import COMPLETE, resume_point
+    from recipe.engines.checkpoints import COMPLETE, resume_point
 
     assert resume_point("latest", tmp_path) is None
     for step in (4, 12):
@@ -237,7 +237,7 @@ def write_checkpoint(folder: Path, files: dict[str, bytes]) -> Path:
     """A checkpoint folder with its files and a completion marker as the trainer writes it."""
     import json
 
-    from checkpoints import COMPLETE, file_records
+    from recipe.engines.checkpoints import COMPLETE, file_records
 
     for name, data in files.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
@@ -250,7 +250,7 @@ def test_a_checkpoint_damaged_after_its_save_is_skipped_by_latest_and_refused_by
     """A file truncated (a failing disk, a partial copy), changed in place, or lost after the marker was written: `latest`
     falls back to the newest intact checkpoint and says why; preflight, consolidate and merge refuse it by name."""
     import export
-    from checkpoints import damage, resume_point
+    from recipe.engines.checkpoints import damage, resume_point
 
     files = {"adapter_model.safetensors": b"w" * 1000, "pytorch_model_fsdp_0/__0_0.distcp": b"s" * 500}
     intact = write_checkpoint(tmp_path / "checkpoint-2", files)
@@ -285,7 +285,7 @@ def test_a_checkpoint_damaged_after_its_save_is_skipped_by_latest_and_refused_by
 def test_remote_code_runs_only_when_asked(tiny_model_dir, monkeypatch):
     """trust_remote_code runs the model repository's own Python: off unless --trust_remote_code true."""
     import utils
-    from configuration import configure
+    from recipe.settings.configuration import configure
 
     seen = []
     monkeypatch.setattr(utils, "load_causal_lm", lambda name, **kwargs: seen.append(kwargs["trust_remote_code"]) or

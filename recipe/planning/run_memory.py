@@ -109,7 +109,7 @@ class PhasePeaks:
 
     @classmethod
     def mark(cls, phase: str) -> None:
-        from launch import Launch
+        from recipe.platform.launch import Launch
 
         marks = os.environ.get(cls.MARKS_VARIABLE)
         if marks:

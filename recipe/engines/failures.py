@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from launch import Launch
+from recipe.platform.launch import Launch
 
 
 def write_failure(err: BaseException, output_dir: str) -> str | None:

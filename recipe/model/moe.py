@@ -197,7 +197,7 @@ def split_experts(model: nn.Module, quantization_config=None) -> dict[str, int]:
     bits); returns the count of expert matrices by name, e.g. {"w1": 256, "w3": 256, "w2": 256}. Raises ValueError
     for a fused layout this file does not know. (A load through compat.TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED has
     split each layer's experts as they arrived: what is left here is what a meta-device model holds.)"""
-    from compat import peft_keeps_split_experts
+    from recipe.compat import peft_keeps_split_experts
 
     peft_keeps_split_experts()  # else PEFT would turn the experts' names into fused targets that no longer exist
     four_bit = FourBit.of(quantization_config)

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from configuration import Configuration, hub_offline, memory_plan, planned_need
-from fast_paths import KERNEL_ATTENTION, torch_varlen_attn
-from checkpoints import COMPLETE, damage, latest_intact
-from model_files import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
+from recipe.settings.configuration import Configuration, hub_offline, memory_plan, planned_need
+from recipe.model.fast_paths import KERNEL_ATTENTION, torch_varlen_attn
+from recipe.engines.checkpoints import COMPLETE, damage, latest_intact
+from recipe.model.model_files import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
 
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
@@ -161,7 +161,7 @@ def liger_kernels(s: Configuration) -> Problem | None:
     if not s.facts.liger:
         return Problem("error", "--use_liger_kernels but liger-kernel is not installed", "the kernels would fail to load",
                        "`pip install -r requirements-gpu.txt` (liger-kernel), or drop the flag")
-    from fast_paths import liger_families
+    from recipe.model.fast_paths import liger_families
 
     model_type = getattr(s.facts.model_config, "model_type", None)
     if s.facts.model_config is not None and model_type not in liger_families():
@@ -449,7 +449,7 @@ def resume_checkpoint(s: Configuration) -> Problem | None:
 def timeout_shorter_than_the_load(s: Configuration) -> Problem | None:
     """The other ranks wait in their first collective while rank 0 reads (and quantizes) the base: a timeout the user
     set below that wait ends the run before it trains."""
-    from configuration import LOAD_MARGIN, load_text
+    from recipe.settings.configuration import LOAD_MARGIN, load_text
 
     load = s.load_plan
     if load is None or "ddp_timeout" not in s.given:

@@ -21,17 +21,17 @@ from typing import Any
 import psutil
 import torch
 
-from arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, ModelArguments, Request,
-                       parse_arguments)
-from fast_paths import (ATTENTION, EAGER_ATTENTION, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for,
-                        compile_settings, torch_varlen_attn, torch_varlen_windows)
-from hardware import is_flash_attn_installed, is_liger_kernel_installed, native_bf16_supported
-from launch import Launch, launch_environment
-from memory import ASSUMED_LOAD_RATES, GIB, LoadRates, load_seconds
-from model_files import DEFAULT_MODEL_DIR, convert_default_model, gguf_source, hub_id_of
-from moe import is_moe
-from training_data import EXAMPLES_PER_PROCESS
-from trainers import cpu_fsdp_overrides
+from recipe.settings.arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, DataArguments, ModelArguments,
+                                       Request, parse_arguments)
+from recipe.model.fast_paths import (ATTENTION, EAGER_ATTENTION, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for,
+                                     compile_settings, torch_varlen_attn, torch_varlen_windows)
+from recipe.platform.hardware import is_flash_attn_installed, is_liger_kernel_installed, native_bf16_supported
+from recipe.platform.launch import Launch, launch_environment
+from recipe.planning.memory import ASSUMED_LOAD_RATES, GIB, LoadRates, load_seconds
+from recipe.model.model_files import DEFAULT_MODEL_DIR, convert_default_model, gguf_source, hub_id_of
+from recipe.model.moe import is_moe
+from recipe.data.training_data import EXAMPLES_PER_PROCESS
+from recipe.engines.trainers import cpu_fsdp_overrides
 from utils import build_tokenizer, load_dtype
 
 
@@ -71,14 +71,14 @@ class Facts:
     @cached_property
     def meta_model(self):
         """The model's module tree on the meta device (memory.meta_model), built once for every rule that reads it."""
-        from memory import meta_model
+        from recipe.planning.memory import meta_model
 
         return meta_model(self.model_config)
 
     @cached_property
     def shapes(self):
         """The model's parameter counts from its meta-device module tree (memory.Shapes), built once."""
-        from memory import Shapes
+        from recipe.planning.memory import Shapes
 
         return Shapes.of(self.model_config, self.meta_model)
 
@@ -158,7 +158,7 @@ def load_rates(launch: Launch, model, here: bool) -> LoadRates:
     key = f"recipe/load-rates/{launch.restart}"
     if launch.rank != 0 and store is not None:
         return LoadRates(**json.loads(store.get(key)))
-    from hardware import cold_read_gib_per_s, quantize_gib_per_s
+    from recipe.platform.hardware import cold_read_gib_per_s, quantize_gib_per_s
 
     folder = Path(model.model_name_or_path)
     read = cold_read_gib_per_s(list(folder.glob("*.safetensors"))) if folder.is_dir() else None
@@ -524,7 +524,7 @@ def decide_data_processes(config: Configuration) -> None:
 
 def decide_compile_when_repaid(config: Configuration) -> None:
     """--torch_compile unset: on one CPU process, compiled mid-run once the eager steps show the rest repay it."""
-    from fast_paths import COMPILE_SECONDS, COMPILED_STEP_RATIO, EAGER_STEPS_MEASURED, REPAY_MARGIN
+    from recipe.model.fast_paths import COMPILE_SECONDS, COMPILED_STEP_RATIO, EAGER_STEPS_MEASURED, REPAY_MARGIN
 
     device = "cuda" if config.facts.cuda else "cpu"
     if device not in COMPILED_STEP_RATIO:
@@ -581,7 +581,7 @@ def decide_mixture_of_experts(config: Configuration) -> None:
 
 def planned_run(config: Configuration):
     """The memory planner's description of this run."""
-    from memory import Run
+    from recipe.planning.memory import Run
 
     launch, training = config.launch, config.training
     engine = ("fsdp" if launch.fsdp else "deepspeed" if launch.deepspeed else
@@ -613,14 +613,14 @@ def checkpoint_dtype(model_config) -> str:
 
 def memory_plan(config: Configuration, **changes):
     """memory.plan for this run (with `changes` to its planned Run, e.g. checkpointing=False)."""
-    from memory import plan
+    from recipe.planning.memory import plan
 
     return plan(config.facts.shapes, replace(planned_run(config), **changes))
 
 
 def planned_need(config: Configuration, **changes) -> float:
     """GiB the plan needs of what the run has: each GPU's with the allocator's headroom, or this host's RAM on CPU."""
-    from memory import ALLOCATOR_HEADROOM
+    from recipe.planning.memory import ALLOCATOR_HEADROOM
 
     plan = memory_plan(config, **changes)
     return plan.per_gpu_total * ALLOCATOR_HEADROOM if config.facts.cuda else plan.host_total

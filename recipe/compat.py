@@ -94,7 +94,7 @@ def _packed_rows_unmasked(preprocess):
     @functools.wraps(preprocess)
     def preprocess_unless_packed(config, inputs_embeds, attention_mask, past_key_values, position_ids, *args,
                                  **kwargs):
-        from fast_paths import PACKED_ATTENTIONS, rows_in_flight
+        from recipe.model.fast_paths import PACKED_ATTENTIONS, rows_in_flight
 
         if (config._attn_implementation in PACKED_ATTENTIONS and attention_mask is None and past_key_values is None
                 and position_ids is not None and inputs_embeds.shape[0] == 1
@@ -145,7 +145,7 @@ def _splitting_experts_as_loaded(set_param_for_module):
     @functools.wraps(set_param_for_module)
     def set_and_split(model, target_name, param_value, loading_info, hf_quantizer):
         set_param_for_module(model, target_name, param_value, loading_info, hf_quantizer)
-        from moe import split_as_loaded
+        from recipe.model.moe import split_as_loaded
 
         config = hf_quantizer.quantization_config if hf_quantizer is not None else None
         split_as_loaded(model, target_name.rpartition(".")[0], config)
@@ -223,7 +223,7 @@ def peft_keeps_split_experts() -> None:
 
 
 def has_split_experts(model) -> bool:
-    from moe import has_split_experts
+    from recipe.model.moe import has_split_experts
 
     return has_split_experts(model)
 

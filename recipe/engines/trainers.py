@@ -12,9 +12,9 @@ from contextlib import contextmanager
 import torch
 from trl import SFTTrainer
 
-from checkpoints import CompleteCheckpointsMixin
-from fast_paths import WithExampleLengths, packed_rows
-from launch import Launch
+from recipe.engines.checkpoints import CompleteCheckpointsMixin
+from recipe.model.fast_paths import WithExampleLengths, packed_rows
+from recipe.platform.launch import Launch
 
 
 class CpuEngineSFTTrainer(SFTTrainer):
@@ -43,7 +43,7 @@ class CpuEngineSFTTrainer(SFTTrainer):
         if self.engine == "deepspeed":
             from deepspeed import comm
 
-            from compat import DEEPSPEED_SKIPS_SHM_COMM
+            from recipe.compat import DEEPSPEED_SKIPS_SHM_COMM
             from transformers.integrations.deepspeed import propagate_args_to_deepspeed
 
             DEEPSPEED_SKIPS_SHM_COMM.apply()  # DeepSpeed's CPU-inference all-reduce: minutes to build on first use
@@ -99,7 +99,7 @@ def cpu_fsdp_plugin(launch: Launch):
         return plugin
     from torch.distributed.fsdp import CPUOffload
 
-    from compat import TORCH_FSDP1_SYNCS_CPU_TENSORS
+    from recipe.compat import TORCH_FSDP1_SYNCS_CPU_TENSORS
 
     with without_fsdp1_device_settings(launch):
         plugin = FullyShardedDataParallelPlugin()
@@ -154,7 +154,7 @@ class Fsdp1WrapMixin:
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        from compat import before_each_model_wrap, fsdp_param_init_fn_released_after_wrap
+        from recipe.compat import before_each_model_wrap, fsdp_param_init_fn_released_after_wrap
 
         accelerator = self.accelerator
         before_each_model_wrap(accelerator,

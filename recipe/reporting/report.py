@@ -22,7 +22,7 @@ def memory_against_plan(summary: dict, rank: int = 0) -> dict:
     plan's figure less the CUDA context it adds), the allocator's reserved peak and the device's used memory (the
     process's whole footprint, CUDA context included: against the plan's figure). Host: the growth of the process's
     anonymous memory over the phase, against the plan's `host rank 0` / `host other rank`."""
-    from memory import CUDA_CONTEXT_GIB
+    from recipe.planning.memory import CUDA_CONTEXT_GIB
 
     results = summary["results"]
     measured, plan = results["memory_by_rank"][rank], results.get("memory_plan") or {}
