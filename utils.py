@@ -1,6 +1,6 @@
-"""Builders: the tokenizer and its chat template, the base model as settled (LoRA / QLoRA, experts split, weights
-from rank 0 where sharded), and the LoRA config. The data has its own module (training_data.py); where weights come
-from, model_files.py; what the machine can do, hardware.py.
+"""Builders: the base model as settled (LoRA / QLoRA, experts split, weights from rank 0 where sharded) and the LoRA
+config. The tokenizer and its chat template are in recipe/model/tokenizer.py, the data in recipe/data/, where weights
+come from in recipe/model/model_files.py, what the machine can do in recipe/platform/hardware.py.
 
 Every function here takes what it needs as arguments: no printing, no argument parsing, no reading of the launch
 environment; `configuration.settle` decides what they are given.
@@ -8,67 +8,13 @@ environment; `configuration.settle` decides what they are given.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from recipe.model.fast_paths import PACKED_ATTENTIONS, register_attention
 from recipe.model.model_files import load_causal_lm
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-ZEPHYR_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Tokenizer and chat template
-
-
-def build_tokenizer(model_args, trust_remote_code: bool = False, token: str | None = None) -> tuple[Any, list[int]]:
-    """Returns the tokenizer and the ids of tokens it had to add (they are trained and saved with the adapter)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust_remote_code,
-                                              token=token)
-    added: list[str] = []
-    if model_args.chat_template_format == "chatml":
-        added = [t for t in ("<|im_start|>", "<|im_end|>") if t not in tokenizer.get_vocab()]
-        if added:
-            tokenizer.add_special_tokens({"additional_special_tokens": added})
-        tokenizer.chat_template = CHATML_TEMPLATE
-        tokenizer.eos_token = "<|im_end|>"  # generation must stop at the end of the assistant turn
-    elif model_args.chat_template_format == "zephyr":
-        if tokenizer.eos_token is None:
-            raise ValueError("the zephyr template ends turns with the tokenizer's EOS token, and this tokenizer has "
-                             "none; use --chat_template_format chatml.")
-        tokenizer.chat_template = ZEPHYR_TEMPLATE
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # padded positions are masked out of the loss by the collator
-    return tokenizer, tokenizer.convert_tokens_to_ids(added)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Model
-
-
-def load_dtype(model_args, training_args) -> torch.dtype:
-    """4-bit: the float quant storage dtype (FSDP/ZeRO-3 flatten one dtype). Otherwise the training precision."""
-    if model_args.use_4bit_quantization and model_args.bnb_4bit_quant_storage_dtype != "uint8":
-        return getattr(torch, model_args.bnb_4bit_quant_storage_dtype)
-    if training_args.bf16:
-        return torch.bfloat16
-    if training_args.fp16:
-        return torch.float16
-    return torch.float32
 
 
 def build_quantization_config(model_args):
@@ -99,9 +45,10 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     if attention in PACKED_ATTENTIONS:
         register_attention(attention)
     quantization_config = build_quantization_config(model_args)
-    from recipe.compat import TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED, transformers_zero3_hidden
+    from recipe.compat import splitting_experts_as_loaded, transformers_zero3_hidden
+    from recipe.model import moe
 
-    with transformers_zero3_hidden(weights_from_rank0), TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED:
+    with transformers_zero3_hidden(weights_from_rank0), splitting_experts_as_loaded(moe.split_as_loaded):
         model = load_causal_lm(
             model_args.model_name_or_path,
             dtype=dtype,
@@ -114,8 +61,6 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     if added_token_ids:
         # Mean-resizing reads the existing rows: not on the meta device (rank 0's rows are broadcast over them anyway)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=device_map != {"": "meta"})
-    from recipe.model import moe
-
     if moe.fused_experts(model):  # left fused by the load (a meta-device model); before the 4-bit state is sent
         moe.split_experts(model, quantization_config)
     if place_on is not None:  # loaded (and quantized) on the host first

@@ -59,7 +59,7 @@ def prepare_once(data_dir: str, cores: int, pin: bool = True, per_process: int |
     from recipe.model.model_files import convert_default_model
     from recipe.data import training_data
     from recipe.data.training_data import prepare
-    from utils import build_tokenizer
+    from recipe.model.tokenizer import build_tokenizer
 
     if per_process is not None:
         training_data.EXAMPLES_PER_PROCESS = per_process

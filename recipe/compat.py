@@ -90,15 +90,15 @@ TRL_SCORES_LABELLED_POSITIONS_ON_CPU = Patch(
     f"trl {TRL_VERSION}")
 
 
+_MASKLESS_ROWS: list = []  # (config, inputs_embeds) -> bool: the rows whose mask nothing reads (skip_masks_where)
+
+
 def _packed_rows_unmasked(preprocess):
     @functools.wraps(preprocess)
     def preprocess_unless_packed(config, inputs_embeds, attention_mask, past_key_values, position_ids, *args,
                                  **kwargs):
-        from recipe.model.fast_paths import PACKED_ATTENTIONS, rows_in_flight
-
-        if (config._attn_implementation in PACKED_ATTENTIONS and attention_mask is None and past_key_values is None
-                and position_ids is not None and inputs_embeds.shape[0] == 1
-                and rows_in_flight(inputs_embeds.shape[1]) is not None):
+        if (attention_mask is None and past_key_values is None and position_ids is not None
+                and any(maskless(config, inputs_embeds) for maskless in _MASKLESS_ROWS)):
             return True, None, None, None, None, None, None  # early exit: no mask
         return preprocess(config, inputs_embeds, attention_mask, past_key_values, position_ids, *args, **kwargs)
     return preprocess_unless_packed
@@ -113,6 +113,14 @@ TRANSFORMERS_SKIPS_PACKED_ROW_MASKS = Patch(
     "transformers.masking_utils", "_preprocess_mask_arguments", _packed_rows_unmasked,
     "no block-diagonal mask (and no host read) for packed rows the recipe's attention splits itself",
     f"transformers {TRANSFORMERS_VERSION}")
+
+
+def skip_masks_where(maskless) -> None:
+    """TRANSFORMERS_SKIPS_PACKED_ROW_MASKS applied, for the rows `maskless(config, inputs_embeds)` picks (handed in by
+    fast_paths: a packed row in flight under one of its attentions; this module imports nothing of the recipe)."""
+    if maskless not in _MASKLESS_ROWS:
+        _MASKLESS_ROWS.append(maskless)
+    TRANSFORMERS_SKIPS_PACKED_ROW_MASKS.apply()
 
 # torch refuses FSDP1's sync_module_states for CPU tensors (NCCL cannot send host memory); gloo can, and the recipe's
 # CPU engine (trainers.cpu_fsdp_plugin) broadcasts rank 0's weights with it.
@@ -141,14 +149,16 @@ ACCELERATE_ASKS_DEEPSPEED_ONLY_ONCE_IMPORTED = Patch(
     "accelerate's unwrapping imports deepspeed only where a run has imported it", f"accelerate {ACCELERATE_VERSION}")
 
 
+_AFTER_EACH_LOADED_PARAMETER: list = []  # (model, module name, quantization config) -> None, while the patch is applied
+
+
 def _splitting_experts_as_loaded(set_param_for_module):
     @functools.wraps(set_param_for_module)
     def set_and_split(model, target_name, param_value, loading_info, hf_quantizer):
         set_param_for_module(model, target_name, param_value, loading_info, hf_quantizer)
-        from recipe.model.moe import split_as_loaded
-
         config = hf_quantizer.quantization_config if hf_quantizer is not None else None
-        split_as_loaded(model, target_name.rpartition(".")[0], config)
+        for hook in _AFTER_EACH_LOADED_PARAMETER:
+            hook(model, target_name.rpartition(".")[0], config)
     return set_and_split
 
 
@@ -162,6 +172,18 @@ TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED = Patch(
     "transformers.core_model_loading", "set_param_for_module", _splitting_experts_as_loaded,
     "each layer's fused experts split (and quantized) as soon as they are loaded",
     f"transformers {TRANSFORMERS_VERSION}")
+
+
+@contextlib.contextmanager
+def splitting_experts_as_loaded(split):
+    """TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED applied for the duration, calling `split` (moe.split_as_loaded) after each
+    parameter is set (handed in: this module imports nothing of the recipe)."""
+    _AFTER_EACH_LOADED_PARAMETER.append(split)
+    try:
+        with TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED:
+            yield
+    finally:
+        _AFTER_EACH_LOADED_PARAMETER.remove(split)
 
 
 class _ReleasedAsRead(dict):
@@ -222,10 +244,11 @@ def peft_keeps_split_experts() -> None:
         patch.apply()
 
 
-def has_split_experts(model) -> bool:
-    from recipe.model.moe import has_split_experts
+SPLIT_EXPERTS_MARK = "_recipe_split_experts"  # a class attribute of moe.ExpertLinears
 
-    return has_split_experts(model)
+
+def has_split_experts(model) -> bool:
+    return any(getattr(module, SPLIT_EXPERTS_MARK, False) for module in model.modules())
 
 
 @contextlib.contextmanager

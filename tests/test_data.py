@@ -8,7 +8,7 @@ from conftest import tiny_run_args
 
 from recipe.data.training_data import IGNORE_INDEX, detect_format, load_splits, tokenize_example, tokenize_splits
 from recipe.settings.arguments import ModelArguments
-from utils import build_tokenizer
+from recipe.model.tokenizer import build_tokenizer
 
 CHAT = [
     {"role": "user", "content": "Convert this date to ISO format (YYYY-MM-DD): March 5, 2021"},

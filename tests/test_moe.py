@@ -152,8 +152,7 @@ def test_each_layers_experts_are_split_and_quantized_as_they_load(family, layout
             splits.append([n for n, m in moe.fused_experts(model) if m.gate_up_proj.device.type != "meta"])
         return done
 
-    monkeypatch.setattr(moe, "split_as_loaded", recorded)
-    with compat.TRANSFORMERS_SPLITS_EXPERTS_AS_LOADED:
+    with compat.splitting_experts_as_loaded(recorded):
         model = load_causal_lm(str(tmp_path), quantization_config=FOUR_BIT, dtype=torch.bfloat16)
     assert splits == [[]] * original.config.num_hidden_layers and not moe.fused_experts(model)
     reference = load_causal_lm(str(tmp_path), quantization_config=FOUR_BIT, dtype=torch.bfloat16)

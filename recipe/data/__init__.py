@@ -1,2 +1,2 @@
-"""The training data: loading, bad examples by file and line, tokenization, loss masks, truncation. Imports nothing
-of the recipe but the model's defaults."""
+"""The training data: loading, bad examples by file and line, tokenization, loss masks, truncation for padding-free
+batches, tokenizing in several processes. Imports nothing else of the recipe."""

@@ -382,12 +382,18 @@ def register_attention(name: str = ATTENTION) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    from recipe.compat import TRANSFORMERS_SKIPS_PACKED_ROW_MASKS
+    from recipe.compat import skip_masks_where
 
     AttentionInterface.register(name, FORWARDS[name])
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
-    TRANSFORMERS_SKIPS_PACKED_ROW_MASKS.apply()
+    skip_masks_where(packed_row_in_flight)
     return name
+
+
+def packed_row_in_flight(config, inputs_embeds) -> bool:
+    """The forward is of the packed row in flight (packed_rows) under one of PACKED_ATTENTIONS, which reads no mask."""
+    return (config._attn_implementation in PACKED_ATTENTIONS and inputs_embeds.shape[0] == 1
+            and rows_in_flight(inputs_embeds.shape[1]) is not None)
 
 
 def attention_for(model_config) -> tuple[str, str]:

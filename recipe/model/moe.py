@@ -75,6 +75,8 @@ class ExpertLinears(nn.ModuleList):
     """A MoE layer's experts, one module each; called as the fused module was: (hidden states, each token's top-k
     expert indices, their routing weights)."""
 
+    _recipe_split_experts = True  # compat.SPLIT_EXPERTS_MARK: how compat recognises them without importing this file
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         final = torch.zeros_like(hidden_states)

@@ -32,7 +32,7 @@ from recipe.model.model_files import DEFAULT_MODEL_DIR, convert_default_model, g
 from recipe.model.moe import is_moe
 from recipe.data.training_data import EXAMPLES_PER_PROCESS
 from recipe.engines.trainers import cpu_fsdp_overrides
-from utils import build_tokenizer, load_dtype
+from recipe.model.tokenizer import build_tokenizer
 
 
 # The recipe's collective timeout for multi-process runs (seconds; --ddp_timeout overrides it). While rank 0 loads, the
@@ -601,6 +601,17 @@ def planned_run(config: Configuration):
                fsdp_version=launch.fsdp_version, weights_from_rank0=config.weights_from_rank0,
                checkpoint_dtype=checkpoint_dtype(config.facts.model_config),
                eager_attention=config.attention == EAGER_ATTENTION)
+
+
+def load_dtype(model_args, training_args) -> torch.dtype:
+    """4-bit: the float quant storage dtype (FSDP/ZeRO-3 flatten one dtype). Otherwise the training precision."""
+    if model_args.use_4bit_quantization and model_args.bnb_4bit_quant_storage_dtype != "uint8":
+        return getattr(torch, model_args.bnb_4bit_quant_storage_dtype)
+    if training_args.bf16:
+        return torch.bfloat16
+    if training_args.fp16:
+        return torch.float16
+    return torch.float32
 
 
 def checkpoint_dtype(model_config) -> str:
