@@ -57,13 +57,16 @@ def generate_answers(model, tokenizer, prompts: list, max_new_tokens: int = 32, 
     was_training = model.training
     model.eval()
     answers = []
+    # Eager even where the run compiled its decoder layers (--torch_compile, or mid-run): each generated token's
+    # cache state would be one more graph, and the compile hits its limit ("torch._dynamo hit config.recompile_limit")
     try:
-        for i in range(0, len(texts), batch_size):
-            batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
-            batch = batch.to(model.device)
-            output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            answers += tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        with torch.compiler.set_stance("force_eager"):
+            for i in range(0, len(texts), batch_size):
+                batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True,
+                                  add_special_tokens=False).to(model.device)
+                output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                answers += tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)

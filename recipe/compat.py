@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -365,6 +366,32 @@ def import_compiling_later(module: str) -> None:
         importlib.import_module(module)
 
 
+# Library messages a user of the recipe can do nothing about, each silenced alone (a logger's level, or a warning
+# filter on its own text and category, and the module that raises it), with why. tests/test_compat.py checks that each
+# is still raised upstream.
+SILENCED_LOGGERS = {  # logger: the message
+    # bitsandbytes 0.50, at import: its CPU backend looks for the optional `kernels` package's gemm kernel and, absent,
+    # uses its own (what every CPU run here computes with); nothing to install for the recipe
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
+}
+SILENCED_WARNINGS = [
+    # TRL 1.16 reads the model's `is_gradient_checkpointing` (trl/models/utils.py), which transformers 5.23 renamed and
+    # warns about
+    (FutureWarning, "`is_gradient_checkpointing` is deprecated", "transformers.modeling_utils"),
+]
+
+
+def silence_unactionable_messages() -> None:
+    import logging
+    import warnings
+
+    for logger in SILENCED_LOGGERS:
+        logging.getLogger(logger).setLevel(logging.ERROR)
+    for category, text, _ in SILENCED_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text), category=category)
+
+
+silence_unactionable_messages()  # before bitsandbytes is imported below
 import_compiling_later("bitsandbytes")  # on import: train.py imports this module before transformers and peft
 
 

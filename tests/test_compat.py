@@ -316,3 +316,12 @@ def test_accelerates_fsdp2_load_reads_each_tensor_of_rank0s_state_dict_once():
 
     released = compat._ReleasedAsRead({"a": torch.zeros(1), "b": torch.ones(1)})
     assert "a" in released and released["a"].item() == 0 and "a" not in released and list(released) == ["b"]
+
+
+def test_each_silenced_library_message_is_still_raised_where_the_recipe_silences_it():
+    """compat.SILENCED_LOGGERS and SILENCED_WARNINGS: each message is still in the module that says it; once one goes
+    upstream, its silence goes too."""
+    for logger, text in compat.SILENCED_LOGGERS.items():
+        assert text in inspect.getsource(importlib.import_module(logger)), logger
+    for _, text, module in compat.SILENCED_WARNINGS:
+        assert text in inspect.getsource(importlib.import_module(module)), module

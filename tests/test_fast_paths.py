@@ -109,3 +109,21 @@ def test_padding_free_data_is_truncated_by_the_recipe(smol_tokenizer, tmp_path):
     tokenized, bad = tokenize_splits(raw, "conversational", smol_tokenizer, max_length=64, truncate=True)
     assert not bad and len(tokenized["train"][0]["input_ids"]) == 64
     assert any(label != -100 for label in tokenized["train"][0]["labels"])
+
+
+def test_generation_runs_compiled_decoder_layers_eagerly(tiny_model_dir, smol_tokenizer):
+    """Held-out generation after a compiled run (--torch_compile, or compiled mid-run): every new token's cache state
+    would be one more graph until torch gives up ("hit config.recompile_limit", warned at length); it runs eager."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from evaluate import generate_answers
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    want = generate_answers(model, smol_tokenizer, ["Convert May 1, 2000"], max_new_tokens=4)
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    assert generate_answers(model, smol_tokenizer, ["Convert May 1, 2000"], max_new_tokens=4) == want
+    assert not counters["stats"]["unique_graphs"]

@@ -194,7 +194,12 @@ def write_adapter(peft_model, folder: Path, state: dict[str, torch.Tensor] | Non
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    weights = get_peft_model_state_dict(peft_model, state_dict=state)
+    from peft.tuners.lora import Embedding as LoraEmbedding
+
+    # "auto" asks the Hub whether the base's vocabulary changed (and warns offline that it could not): the recipe's
+    # added tokens are saved as their rows (trainable_token_indices), so embeddings go in only where LoRA adapts one
+    embeddings = "auto" if any(isinstance(m, LoraEmbedding) for m in peft_model.modules()) else False
+    weights = get_peft_model_state_dict(peft_model, state_dict=state, save_embedding_layers=embeddings)
     if state is not None and len(weights) != len(state):
         raise RuntimeError(f"PEFT took {len(weights)} of the {len(state)} trained tensors as the adapter's: "
                            f"{sorted(set(state) - set(weights))[:3]} ...")
