@@ -196,9 +196,13 @@ def write_adapter(peft_model, folder: Path, state: dict[str, torch.Tensor] | Non
 
     from peft.tuners.lora import Embedding as LoraEmbedding
 
-    # "auto" asks the Hub whether the base's vocabulary changed (and warns offline that it could not): the recipe's
-    # added tokens are saved as their rows (trainable_token_indices), so embeddings go in only where LoRA adapts one
-    embeddings = "auto" if any(isinstance(m, LoraEmbedding) for m in peft_model.modules()) else False
+    # PEFT's "auto" asks the base's config (on the Hub, warning offline that it could not) whether the vocabulary
+    # changed: only where the template added tokens can it have, or where LoRA adapts an embedding; elsewhere the
+    # embeddings are left out, as "auto" would leave them
+    config = peft_model.peft_config["default"]
+    resized_or_adapted = (getattr(config, "trainable_token_indices", None)
+                          or any(isinstance(m, LoraEmbedding) for m in peft_model.modules()))
+    embeddings = "auto" if resized_or_adapted else False
     weights = get_peft_model_state_dict(peft_model, state_dict=state, save_embedding_layers=embeddings)
     if state is not None and len(weights) != len(state):
         raise RuntimeError(f"PEFT took {len(weights)} of the {len(state)} trained tensors as the adapter's: "
@@ -207,7 +211,7 @@ def write_adapter(peft_model, folder: Path, state: dict[str, torch.Tensor] | Non
     peft_model.create_or_update_model_card(str(folder))
     weights = {name.replace(FSDP1_WRAPPER, ""): tensor.detach().cpu().contiguous() for name, tensor in weights.items()}
     save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = copy.deepcopy(peft_model.peft_config["default"])
+    config = copy.deepcopy(config)
     config.base_model_name_or_path = (config.base_model_name_or_path
                                       or peft_model.base_model.model.__dict__.get("name_or_path") or None)
     config.inference_mode = True
