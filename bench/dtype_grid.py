@@ -98,8 +98,7 @@ def preflight_errors(cell: Cell, model_dir: Path, data_dir: Path, out: Path) -> 
 
     request = parse_arguments([*run_flags(model_dir, data_dir, out), *cell.flags()])
     env = launch_environment([*launch_command(cell)[3:], "train.py"])
-    launch = Launch({**env, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, 2)
-    facts = replace(machine_facts(str(model_dir)), launch=launch)
+    facts = replace(machine_facts(str(model_dir)), launch=Launch(env, 2))  # rank 0 of 2, as Launch reads it
     return [str(problem) for problem in preflight(settle(request, facts)) if problem.level == "error"]
 
 

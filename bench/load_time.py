@@ -53,15 +53,12 @@ def random_model(out: Path, hidden: int = 2048, layers: int = 30) -> Path:
     return out
 
 
-def drop_from_page_cache(folder: Path) -> None:
-    for file in folder.glob("*.safetensors"):
-        with open(file, "rb") as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 def run(method: str, model_dir: Path, data_dir: Path, work: Path) -> dict:
     out, marks = work / method, work / f"{method}-marks.txt"
-    drop_from_page_cache(model_dir)
+    from recipe.platform.hardware import drop_from_page_cache
+
+    for file in model_dir.glob("*.safetensors"):
+        drop_from_page_cache(file)
     config = REPO / "configs" / CONFIGS[method]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--num_processes", "2", "--main_process_port", "0", "--mixed_precision", "no", str(REPO / "train.py"),

@@ -76,6 +76,13 @@ def node_launch(config, machine_rank: int, port: int, mixed_precision="no") -> l
             "--main_process_port", str(port), "--mixed_precision", mixed_precision]
 
 
+def machine_launch(config, mixed_precision="no") -> list[str]:
+    """`accelerate launch` of two processes on this machine through a shipped config: only the process count, the
+    precision and the port (any free one) change."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+            "--mixed_precision", mixed_precision, "--main_process_port", "0"]
+
+
 def launch_two_processes(script, args, config="configs/fsdp2_config.yaml", mixed_precision="no", machines=1):
     """`accelerate launch` of `script` with a shipped accelerate config, as on GPUs, with only the process count and
     precision changed (the configs' bf16 is emulated, many times slower, on CPUs without it): 2 processes on one
@@ -88,8 +95,7 @@ def launch_two_processes(script, args, config="configs/fsdp2_config.yaml", mixed
     import tempfile
 
     if machines == 1:
-        commands = [[sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                     "--num_processes", "2", "--mixed_precision", mixed_precision, "--main_process_port", "0"]]
+        commands = [machine_launch(config, mixed_precision)]
     else:
         port = free_port()
         commands = [node_launch(config, rank, port, mixed_precision) for rank in (0, 1)]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import end_together, free_port, node_launch, signal_tree, tiny_run_args
+from conftest import end_together, free_port, machine_launch, node_launch, signal_tree, tiny_run_args
 from safetensors.torch import load_file
 from test_reliability import losses, recipe, straight_run
 
@@ -253,9 +253,7 @@ def test_one_ranks_full_disk_ends_every_rank_and_the_run_resumes(tiny_model_dir,
     argv = recipe(tiny_model_dir, chat_dir, out, 6, "--per_device_train_batch_size", "4")
     mark = tmp_path / "disk-full-at"  # a checkpoint is two writes (model, optimizer): the 3rd is checkpoint-4's first
     env = {"FULL_DISK_RANK": "1", "FULL_DISK_FROM_WRITE": "3", "FULL_DISK_MARK": str(mark)}
-    one_machine = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(REPO_DIR / "configs" / "fsdp2_config.yaml"), "--num_processes", "2", "--main_process_port", "0",
-                   "--mixed_precision", "no"]
+    one_machine = machine_launch(REPO_DIR / "configs" / "fsdp2_config.yaml")
     launches = (two_machines(argv, tmp_path / "full", script="tests/full_disk_worker.py", **env) if machines == 2 else
                 [Machine(0, 0, argv, tmp_path / "full.log", "tests/full_disk_worker.py", one_machine, **env)])
     codes = [launch.wait(timeout=300) for launch in launches]

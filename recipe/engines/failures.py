@@ -15,6 +15,13 @@ from pathlib import Path
 from recipe.platform.launch import Launch
 
 
+def gathered_errors(err: BaseException) -> dict[int, BaseException]:
+    """Each rank's error that torch's distributed checkpoint gathered into `err` (CheckpointException.failures: rank ->
+    (error, traceback)); empty for any other error."""
+    failures = getattr(err, "failures", None)
+    return {rank: failed for rank, (failed, _) in failures.items()} if isinstance(failures, dict) else {}
+
+
 def write_failure(err: BaseException, output_dir: str) -> str | None:
     """Why a save failed for want of space or permission, from `err` or the errors it came from; None for any other
     failure. A full disk reaches here as OSError from Python's own writes, but as SafetensorError from safetensors and
@@ -25,8 +32,7 @@ def write_failure(err: BaseException, output_dir: str) -> str | None:
         if error is None or error in chain:
             continue
         chain.append(error)
-        pending += [error.__cause__ or error.__context__,
-                    *(failed for failed, _ in (getattr(error, "failures", None) or {}).values())]
+        pending += [error.__cause__ or error.__context__, *gathered_errors(error).values()]
     for error in chain:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
             return f"{error.strerror} ({error.filename or 'while saving'})"
@@ -100,8 +106,8 @@ def stop_for(launch: Launch, failure: dict) -> None:
     """End this process for another rank's failure (exit code 1), without the interpreter's teardown: the main thread
     may be inside a collective that will never complete. The failed rank printed its error; each other machine's
     first rank prints it once more."""
-    if not STOPPING.acquire(blocking=False):  # the watch and the main thread both found it: the first one says it
-        time.sleep(FAILED_RANK_LEAVES_S + 60)
+    if not STOPPING.acquire(blocking=False):  # the watch and the main thread both found it: the first one says it,
+        threading.Event().wait()  # and ends the process
     if launch.local_rank == 0 and failure["machine"] != launch.machine_rank:
         print(f"error: rank {failure['rank']} (machine {failure['machine']}) failed: {failure['error']}",
               file=sys.stderr)
@@ -115,10 +121,10 @@ def failed_elsewhere(err: BaseException, launch: Launch, output_dir: str) -> dic
     """The failure of another rank that `err` carries: torch's distributed checkpoint gathers every rank's error of a
     save or load and raises them on all ranks (CheckpointException); None where this rank failed too, or for any
     other error."""
-    failures = getattr(err, "failures", None)
-    if not isinstance(failures, dict) or not failures or launch.rank in failures:
+    errors = gathered_errors(err)
+    if not errors or launch.rank in errors:
         return None
-    rank, (error, _) = min(failures.items())
+    rank, error = min(errors.items())
     why = write_failure(error, output_dir)
     return {"rank": rank, "machine": rank // max(launch.local_processes, 1),
             "error": f"cannot write to {output_dir}: {why}" if why else f"{type(error).__name__}: {error}"[:300]}

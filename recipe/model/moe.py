@@ -43,8 +43,11 @@ LAYOUTS = {"MixtralExperts": Layout("w1", "w3", "w2"), "GptOssExperts": Layout("
 
 def fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every fused experts module: a 3-D `gate_up_proj` parameter."""
-    return [(name, module) for name, module in model.named_modules()
-            if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3]
+    return [(name, module) for name, module in model.named_modules() if is_fused_experts(module)]
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3
 
 
 def layout_of(module: nn.Module) -> Layout | None:
@@ -234,7 +237,7 @@ def split_as_loaded(model: nn.Module, module_name: str, quantization_config=None
         module = model.get_submodule(module_name)
     except AttributeError:
         return False
-    if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) or module.gate_up_proj.dim() != 3:
+    if not is_fused_experts(module):
         return False
     if any(param.device.type == "meta" for param in module.parameters(recurse=False)) or layout_of(module) is None:
         return False
