@@ -34,20 +34,25 @@ def free_port() -> int:
     """A port nothing listens on now, below the kernel's ephemeral range: every connection and every `bind` to port 0
     (gloo's pairs, the stores of launches with --main_process_port 0) takes its port from that range, so a port chosen
     there could be taken by another test's run before the launch binds it, and the other machine would then wait out
-    the static rendezvous (600 s)."""
+    the static rendezvous (600 s). Each xdist worker draws from its own share of the range, with its own random
+    source: the global one is seeded by every Trainer (transformers' set_seed), so two workers drew the same ports."""
     import random
     import socket
 
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
     low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
-    for port in random.sample(range(low // 2, low), 100):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    share = (low - low // 2) // workers
+    start = low // 2 + worker * share
+    for port in random.SystemRandom().sample(range(start, start + share), 100):
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in {low // 2}..{low - 1}")
+    raise RuntimeError(f"no free port in {start}..{start + share - 1}")
 
 
 def end_together(processes, timeout: float) -> list[int]:
