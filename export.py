@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -121,7 +120,7 @@ def stage_for_hub(run_dir: Path, stage: Path, token: str | None = None) -> Path:
         raise SystemExit(f"error: {' and '.join(where)}; nobody else could load it: not uploading. Train with "
                          "--base_model_id ORG/NAME (the Hub model the folder is a copy of), or set "
                          "base_model_name_or_path in adapter_config.json.")
-    token = token or os.environ.get("HF_TOKEN") or _saved_token()
+    token = token or _saved_token()  # HF_TOKEN, else the saved login (huggingface_hub's own order)
     for name, data in contents.items():  # a token must never travel with the files
         if token and token.encode() in data:
             raise SystemExit(f"error: {name} contains the Hub token; not uploading.")

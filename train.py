@@ -41,7 +41,7 @@ from recipe.engines import failures
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
 from recipe.model.fast_paths import EAGER_STEPS_MEASURED, compile_each_layer, compile_repays
-from recipe.platform.launch import Launch
+from recipe.platform.launch import Launch, export_environment
 from recipe.model.moe import mark_zero3_leaves
 from recipe.reporting.report import TRAINING_KEYS, write_run_report
 from recipe.planning.run_memory import PhasePeaks, return_freed_memory
@@ -60,12 +60,14 @@ def run(argv: list[str]):
     # First: building the memory plan's meta model allocates each weight on the CPU before moving it to meta
     # (accelerate's init_empty_weights), and with glibc's rising threshold those went to the heap, which kept them
     # as ~0.7 GiB of free space the weights were later carved from and held in, past what the run held.
-    return_freed_memory()
+    this_process = Launch.current()  # the environment, read once
+    return_freed_memory(this_process.mmap_threshold_set)
     try:
         request = parse_arguments(argv)
-        config = settle(request, gather(request))
+        config = settle(request, gather(request, this_process))
     except ConfigError as err:
         stop([str(err)])
+    SPEAKER["rank0"] = config.launch.is_rank0
     failures.WATCH["watch"] = failures.RankFailures.of(config.launch)
     timeout = (f", collective timeout {config.training.ddp_timeout} s" + (
         f" while loading, then {config.training_timeout} s" if config.training_timeout else "")
@@ -78,7 +80,7 @@ def run(argv: list[str]):
 
     set_seed(config.training.seed)
     data = load_data(config)
-    peaks = PhasePeaks()  # loading: read (from_pretrained), wrap (PEFT, Trainer), shard (until the engine placed it)
+    peaks = PhasePeaks(config.launch.phase_marks, config.launch.rank)  # loading: read (from_pretrained), wrap (PEFT, Trainer), shard (until the engine placed it)
     peaks.start("read")
     model = build_base_model(config)
     peaks.start("wrap")
@@ -94,7 +96,7 @@ def run(argv: list[str]):
     peaks.start("shard")
     result = train(trainer, config)
     peaks.start("save")
-    save_adapter(trainer, config.launch.sharded)
+    save_adapter(trainer, config.launch)
     peaks.end()
     summary.update(trained_examples=data.counts["examples"], trained_tokens=data.counts["tokens"],
                    skipped_examples=len(data.skipped), truncated_examples=len(data.truncated),
@@ -116,7 +118,7 @@ def run(argv: list[str]):
         log(f"held-out exact match: {summary['exact_match_before']:.1%} before, "
             f"{summary['exact_match_after']:.1%} after")
     summary["seconds"] = time.time() - started
-    if trainer.accelerator.is_main_process:
+    if config.launch.is_rank0:
         write_report(config, trainer, summary)
     log_done(config, summary, step_times)
     return trainer, summary
@@ -126,8 +128,11 @@ def run(argv: list[str]):
 # The steps of the story, in its order
 
 
+SPEAKER = {"rank0": True}  # whether this process speaks: rank 0 of the settled launch (run sets it)
+
+
 def log(message: str) -> None:
-    if Launch.current().rank == 0:
+    if SPEAKER["rank0"]:
         print(message, flush=True)
 
 
@@ -140,7 +145,7 @@ def stop(problems: list[str]) -> None:
 
 def report_problems(problems: list[Problem]) -> None:
     """Every problem on its own line (rank 0 only); stop with exit code 2 if any is an error."""
-    if Launch.current().rank == 0:
+    if SPEAKER["rank0"]:
         for problem in problems:
             print(f"{problem.level}: {problem}", file=sys.stderr, flush=True)
     if any(problem.level == "error" for problem in problems):
@@ -214,7 +219,8 @@ def load_data(config: Configuration) -> TrainingData:
 def build_base_model(config: Configuration):
     model = build_model(config.model, config.facts.tokenizer, config.facts.added_token_ids, dtype=config.dtype,
                         attention=config.attention, device_map=config.device_map,
-                        weights_from_rank0=config.weights_from_rank0, device=config.training.device,
+                        weights_from_rank0=config.weights_from_rank0, rank0=config.launch.is_rank0,
+                        device=config.training.device,
                         trust_remote_code=config.training.trust_remote_code, token=config.hub_token,
                         place_on=config.place_on)
     if config.model.use_liger_kernels:
@@ -315,7 +321,7 @@ def every_rank(value):
 
 
 def build_trainer(config: Configuration, model, data: TrainingData):
-    os.environ.update(config.environment)  # read by the Accelerator the Trainer builds (torch.compile's settings)
+    export_environment(config.environment)  # read by the Accelerator the Trainer builds (torch.compile's settings)
     compat.TRL_SCORES_LABELLED_POSITIONS_ON_CPU.apply()  # the LM head at labelled positions only, on CPU too
     compat.ACCELERATE_ASKS_DEEPSPEED_ONLY_ONCE_IMPORTED.apply()  # no deepspeed import outside ZeRO-3 runs
     if config.launch.deepspeed:  # without torch's inductor, which the engine's optimizer check imports
@@ -353,7 +359,7 @@ def build_trainer(config: Configuration, model, data: TrainingData):
     if config.weights_from_rank0:  # the engine broadcasts rank 0's weights (sharding.py)
         hand_to_the_engine(trainer.model, zero3_config() if config.launch.zero_stage == 3 else None,
                            config.training.device)
-    if config.uses_peft and trainer.accelerator.is_main_process:
+    if config.uses_peft and config.launch.is_rank0:
         trainer.model.print_trainable_parameters()
         log("LoRA adapts: " + ", ".join(f"{name} x {count}" for name, count in adapted_matrices(trainer.model).items()))
     return trainer, step_times
@@ -410,12 +416,12 @@ def train(trainer, config: Configuration):
     return result
 
 
-def save_adapter(trainer, sharded: bool) -> None:
+def save_adapter(trainer, launch: Launch) -> None:
     """The final folder: a plain PEFT adapter, the tokenizer and the training arguments, written once by rank 0
     (sharding.write_adapter). Under FSDP and ZeRO-3 only the trainable parameters are gathered, onto rank 0
     (sharding.gather_adapter), never the frozen base."""
-    state = gather_adapter(trainer.model) if sharded else None  # every rank takes part in the gathers
-    if not trainer.args.should_save:
+    state = gather_adapter(trainer.model, launch.is_rank0) if launch.sharded else None  # every rank gathers
+    if not launch.is_rank0:
         return
     output_dir = Path(trainer.args.output_dir)
     write_adapter(trainer.accelerator.unwrap_model(trainer.model), output_dir, state)

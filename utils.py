@@ -34,18 +34,19 @@ def build_quantization_config(model_args):
 
 
 def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: torch.dtype, attention: str,
-                device_map: dict | None = None, weights_from_rank0: bool = False, device: torch.device | None = None,
-                trust_remote_code: bool = False, token: str | None = None, place_on: str | None = None):
+                device_map: dict | None = None, weights_from_rank0: bool = False, rank0: bool = True,
+                device: torch.device | None = None, trust_remote_code: bool = False, token: str | None = None,
+                place_on: str | None = None):
     """The base model as the configuration says (configuration.settle decides dtype, attention and placement).
 
-    `weights_from_rank0`: a sharded run in which rank 0 alone reads the checkpoint (device_map cpu) and the other ranks
-    build on the meta device (device_map meta); sharding.receive_from_rank0 then sends what no engine carries, with
+    `weights_from_rank0`: a sharded run in which rank 0 (`rank0`: this process) alone reads the checkpoint (device_map
+    cpu) and the other ranks build on the meta device (device_map meta); sharding.receive_from_rank0 then sends what no engine carries, with
     the quantization state placed on `device`, the training device. `place_on`: where the model moves once loaded and
     its experts split on the host (a 4-bit mixture of experts on one GPU)."""
     if attention in PACKED_ATTENTIONS:
         register_attention(attention)
     quantization_config = build_quantization_config(model_args)
-    from recipe.compat import splitting_experts_as_loaded, transformers_zero3_hidden
+    from recipe.compat import keep_4bit_layers_trainable, splitting_experts_as_loaded, transformers_zero3_hidden
     from recipe.model import moe
 
     with transformers_zero3_hidden(weights_from_rank0), splitting_experts_as_loaded(moe.split_as_loaded):
@@ -68,13 +69,8 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     if weights_from_rank0:
         from recipe.engines.sharding import receive_from_rank0
 
-        receive_from_rank0(model, device or torch.device("cpu"))
-    for module in model.modules():
-        # bitsandbytes repacks 4-bit weights into an inference-only layout the first time an AVX512-BF16 CPU runs them
-        # in eval mode without grad, and never unpacks them: every evaluation during or before training would then
-        # silently drop the input gradients of each 4-bit layer. Keep the trainable layout.
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+        receive_from_rank0(model, device or torch.device("cpu"), rank0)
+    keep_4bit_layers_trainable(model)  # else an evaluation on an AVX512-BF16 CPU repacks them for inference only
     model.config.use_cache = False  # the cache is useless in training and warns under checkpointing
     if tokenizer.eos_token_id is not None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id

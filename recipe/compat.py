@@ -51,22 +51,22 @@ class Patch:
         target = self._target()
         get = target.get if self.item else functools.partial(getattr, target)
         self._original = get(self.name)
-        replacement = self.make(self._original)
-        if self.item:
-            target[self.name] = replacement
-        else:
-            setattr(target, self.name, replacement)
+        self._set(target, self.make(self._original))
         self._applied = True
 
     def undo(self) -> None:
         if not self._applied:
             return
-        target = self._target()
-        if self.item:
-            target[self.name] = self._original
-        else:
-            setattr(target, self.name, self._original)
+        self._set(self._target(), self._original)
         self._applied = False
+
+    def _set(self, target, value) -> None:
+        if not self.item:
+            setattr(target, self.name, value)
+        elif value is None:  # an item that was absent (an unset environment variable) is absent again
+            target.pop(self.name, None)
+        else:
+            target[self.name] = value
 
     def __enter__(self):
         self.apply()
@@ -197,7 +197,7 @@ class _ReleasedAsRead(dict):
 def _releasing_each_tensor_once_sent(load_full_state_dict):
     @functools.wraps(load_full_state_dict)
     def load(accelerator, model, full_sd, *args, **kwargs):
-        if accelerator.is_main_process:
+        if accelerator.is_main_process:  # the test of the function it wraps: rank 0 sends
             released = _ReleasedAsRead(full_sd)
             full_sd.clear()  # the caller's own reference to the same dict (fsdp2_prepare_model's original_sd)
             full_sd = released
@@ -459,6 +459,50 @@ def gguf_read_once():
         yield
 
 
+# accelerate 1.15's FullyShardedDataParallelPlugin reads FSDP_SYNC_MODULE_STATES and FSDP_CPU_RAM_EFFICIENT_LOADING from
+# the environment and, for FSDP1, builds sync_module_states' param_init_fn for the current GPU, raising without one;
+# the Accelerator builds that plugin from the environment even on CPU. Both read as off while a plugin is built on a
+# host without an accelerator (trainers.cpu_fsdp_plugin then gives their meaning back, for the CPU).
+FSDP1_PLUGIN_WITHOUT_AN_ACCELERATOR = [
+    Patch("os.environ", name, lambda _: "false", "an FSDP1 plugin built on CPU without its GPU-only settings",
+          f"accelerate {ACCELERATE_VERSION}", item=True)
+    for name in ("FSDP_SYNC_MODULE_STATES", "FSDP_CPU_RAM_EFFICIENT_LOADING")]
+
+
+@contextlib.contextmanager
+def fsdp1_plugin_without_an_accelerator(applies: bool = True):
+    """FSDP1_PLUGIN_WITHOUT_AN_ACCELERATOR applied for the duration (where `applies`: an FSDP1 launch)."""
+    with contextlib.ExitStack() as stack:
+        for patch in FSDP1_PLUGIN_WITHOUT_AN_ACCELERATOR if applies else []:
+            stack.enter_context(patch)
+        yield
+
+
+def record_engine(state, distributed_type, fsdp_plugin=None, deepspeed_plugin=None, device=None) -> None:
+    """The engine recorded in accelerate's state as accelerate 1.15 records it on an accelerator: on the Accelerator's
+    `AcceleratorState` and in `PartialState._shared_state`, which every later AcceleratorState() re-reads. On a host
+    without an accelerator accelerate records none (trainers.CpuEngineSFTTrainer puts it back)."""
+    from accelerate.state import PartialState
+
+    if fsdp_plugin is not None:
+        state.fsdp_plugin = fsdp_plugin
+    if deepspeed_plugin is not None:
+        state.deepspeed_plugins = deepspeed_plugin
+    if device is not None:
+        state.device = PartialState._shared_state["device"] = device
+    state.distributed_type = PartialState._shared_state["distributed_type"] = distributed_type
+
+
+def keep_4bit_layers_trainable(model) -> None:
+    """bitsandbytes 0.50 repacks a 4-bit weight into an inference-only layout the first time an AVX512-BF16 CPU runs its
+    layer in eval mode without grad (`Linear4bit.support_avx512bf16_for_cpu`, set when the layer is built), and never
+    unpacks it: every evaluation during or before training would then silently drop the input gradients of each 4-bit
+    layer. Each layer keeps the trainable layout."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 # Private names the recipe reads, writes or overrides without replacing them, each checked by tests/test_compat.py:
 # (module, dotted name, where the recipe uses it and why)
 PRIVATE_NAMES = [
@@ -471,6 +515,24 @@ PRIVATE_NAMES = [
     ("torch.distributed.fsdp._flat_param", "FlatParameter._fqns", "sharding.gather_fsdp1_adapter: each FSDP1 unit's "
      "own parameter names"),
     ("transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref", "compat.transformers_zero3_hidden"),
+    ("accelerate.state", "AcceleratorState.distributed_type", "compat.record_engine: the engine a CPU run keeps"),
+    ("torch.nn", "Module._parameters", "sharding.py: parameters swapped in place (materialized, converted to 4-bit) "
+     "without registration checks or hooks"),
+    ("torch.nn", "Module._buffers", "sharding.receive_from_rank0: rank 0's non-persistent buffers put in place"),
+    ("torch.nn", "Module._non_persistent_buffers_set", "sharding.receive_from_rank0: the buffers no checkpoint "
+     "holds, which rank 0 sends"),
+    ("torch.distributed.fsdp", "FullyShardedDataParallel._handle", "sharding.gather_fsdp1_adapter: each FSDP1 unit's "
+     "flat parameter"),
+    ("transformers", "AutoModelForCausalLM._model_mapping", "fast_paths: the model class a config builds, to read "
+     "whether it supports SDPA before loading"),
+    ("transformers", "PreTrainedModel._supports_sdpa", "fast_paths: whether the model class runs SDPA"),
+    ("transformers", "PreTrainedModel._no_split_modules", "fast_paths and checks: the decoder-layer classes FSDP "
+     "wraps"),
+    ("transformers", "PretrainedConfig._attn_implementation", "fast_paths.packed_row_in_flight: the attention a "
+     "forward runs"),
+    ("transformers.modeling_utils", "_is_hf_initialized", "moe.split_as_loaded marks the split experts' parameters "
+     "initialized, or transformers' init after the load overwrites them"),
+    ("argparse", "_ActionsContainer._actions", "arguments.py: every flag of the parser, with its type and default"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout", "compat.set_collective_timeout: the shorter training "
      "timeout once the weights are in place (the load's longer one is the process group's from its start)"),
 ]

@@ -5,6 +5,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -207,10 +208,8 @@ def test_each_private_name_the_recipe_uses_is_still_there(module, name, use):
     owner, _, attribute = name.rpartition(".")
     if owner:
         holder = getattr(holder, owner)
-    if attribute in ("_fqns",):  # an instance attribute: set in the class's own code
-        assert f"self.{attribute}" in inspect.getsource(holder)
-    else:
-        assert hasattr(holder, attribute), use
+    # an attribute of the class or module, or one of its instances' (set or read in its own code)
+    assert hasattr(holder, attribute) or attribute in inspect.getsource(holder), use
 
 
 def test_writing_a_modules_parameters_dict_replaces_the_parameter():
@@ -325,3 +324,30 @@ def test_each_silenced_library_message_is_still_raised_where_the_recipe_silences
         assert text in inspect.getsource(importlib.import_module(logger)), logger
     for _, text, module in compat.SILENCED_WARNINGS:
         assert text in inspect.getsource(importlib.import_module(module)), module
+
+
+def test_an_fsdp1_plugin_built_on_cpu_needs_its_gpu_only_settings_off(monkeypatch):
+    """accelerate builds sync_module_states' param_init_fn for the current GPU: on CPU it raises, unless the FSDP1
+    settings read as off while the plugin is built (compat.FSDP1_PLUGIN_WITHOUT_AN_ACCELERATOR); unset variables are
+    unset again afterwards."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    monkeypatch.setenv("FSDP_SYNC_MODULE_STATES", "true")
+    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
+    with pytest.raises(Exception):
+        FullyShardedDataParallelPlugin()
+    with compat.fsdp1_plugin_without_an_accelerator():
+        assert not FullyShardedDataParallelPlugin().sync_module_states
+    assert os.environ["FSDP_SYNC_MODULE_STATES"] == "true" and "FSDP_CPU_RAM_EFFICIENT_LOADING" not in os.environ
+
+
+def test_bitsandbytes_repacks_4bit_weights_only_where_its_cpu_switch_says():
+    """compat.keep_4bit_layers_trainable turns off the switch Linear4bit's forward reads before repacking."""
+    from bitsandbytes.nn import Linear4bit
+
+    source = inspect.getsource(Linear4bit)
+    assert "self.support_avx512bf16_for_cpu = " in source and "and self.support_avx512bf16_for_cpu" in source
+    model = torch.nn.Sequential(Linear4bit(64, 64))
+    compat.keep_4bit_layers_trainable(model)
+    assert model[0].support_avx512bf16_for_cpu is False

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from recipe.platform.launch import Launch
+
 COMPLETE = "checkpoint_complete"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -92,7 +94,7 @@ def latest_intact(output_dir: str | Path) -> tuple[str | None, list[tuple[str, s
     return None, skipped
 
 
-def resume_point(resume: str | None, output_dir: str | Path) -> str | None:
+def resume_point(resume: str | None, output_dir: str | Path, rank0: bool = True) -> str | None:
     """The checkpoint a run resumes from. `latest` is the newest intact complete checkpoint in output_dir as rank 0
     sees it, sent to every rank (ranks on other machines may see a shared file system at another moment), or a fresh
     start when there is none. A named checkpoint was verified by preflight (checks.resume_checkpoint)."""
@@ -100,7 +102,7 @@ def resume_point(resume: str | None, output_dir: str | Path) -> str | None:
         return resume
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     found = [None]
-    if not distributed or torch.distributed.get_rank() == 0:
+    if rank0:
         found[0], skipped = latest_intact(output_dir)
         for path, why in skipped:
             print(f"--resume_from_checkpoint latest: skipping {path}, damaged after it was written: {why}; resuming "
@@ -129,15 +131,18 @@ def rotate(output_dir: str | Path, limit: int | None, protected: set[Path]) -> l
 class CompleteCheckpointsMixin:
     """For a Trainer class: completion markers and safe rotation around the Trainer's own checkpoint save."""
 
-    def __init__(self, *args, signals: StopOnSignal | None = None, resume: str | None = None, **kwargs):
-        """`signals`: stops training at the end of a step with a checkpoint, and is told when a save is in progress
-        (which no second signal interrupts). `resume`: --resume_from_checkpoint, resolved once the Trainer has set up
-        the process group, the same on every rank (`resumed_from`, never rotated away)."""
+    def __init__(self, *args, launch: Launch, signals: StopOnSignal | None = None, resume: str | None = None,
+                 **kwargs):
+        """`launch`: the settled launch (its rank 0 writes the markers). `signals`: stops training at the end of a step
+        with a checkpoint, and is told when a save is in progress (which no second signal interrupts). `resume`:
+        --resume_from_checkpoint, resolved once the Trainer has set up the process group, the same on every rank
+        (`resumed_from`, never rotated away)."""
+        self.launch = launch
         super().__init__(*args, **kwargs)
         self.signals = signals
         if signals is not None:
             self.add_callback(signals)
-        self.resumed_from = resume_point(resume, self.args.output_dir)
+        self.resumed_from = resume_point(resume, self.args.output_dir, launch.is_rank0)
 
     def _save_checkpoint(self, model, trial) -> None:
         with self.signals.saving_checkpoint() if self.signals else nullcontext():
@@ -150,7 +155,7 @@ class CompleteCheckpointsMixin:
         finally:
             self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()  # every rank's shards are on disk
-        if self.args.should_save:
+        if self.launch.is_rank0:
             folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
             if hasattr(self.model, "peft_config"):  # lets `export.py consolidate` turn sharded files into an adapter
                 self.model.peft_config["default"].save_pretrained(folder)

@@ -37,11 +37,11 @@ def packed_4bit(data: torch.Tensor, state, module: torch.nn.Module):
                       module=module, bnb_quantized=True)
 
 
-def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> None:
-    """Rank 0 holds the loaded model, the other ranks its meta-device twin. Afterwards every rank has each 4-bit
-    layer's quantization state (on `device`) and the non-persistent buffers; a 4-bit weight on the meta device takes
-    the packed shape of rank 0's, as a bitsandbytes Params4bit (PEFT reads its quantization settings)."""
-    rank0 = dist.get_rank() == 0
+def receive_from_rank0(model: torch.nn.Module, device: torch.device, rank0: bool) -> None:
+    """Rank 0 (`rank0`: this process) holds the loaded model, the other ranks its meta-device twin. Afterwards every
+    rank has each 4-bit layer's quantization state (on `device`) and the non-persistent buffers; a 4-bit weight on the
+    meta device takes the packed shape of rank 0's, as a bitsandbytes Params4bit (PEFT reads its quantization
+    settings)."""
     for module in model.modules():
         if is_4bit_layer(module):
             weight = module.weight
@@ -131,7 +131,7 @@ def partition_from_rank0(model: torch.nn.Module, zero3_config: dict, device: tor
             first.convert_to_zero_parameters(param_list=params)
 
 
-def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def gather_adapter(model: torch.nn.Module, rank0: bool) -> dict[str, torch.Tensor] | None:
     """The trainable parameters of a sharded model, whole, in host RAM on rank 0 (None on the other ranks): every rank
     takes part in each gather, and the frozen base is never gathered. FSDP2 parameters are DTensors and ZeRO-3
     parameters partitioned tensors, gathered one at a time; FSDP1 units holding trainable parameters are gathered one
@@ -140,7 +140,6 @@ def gather_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.tensor import DTensor
 
-    rank0 = dist.get_rank() == 0
     if isinstance(model, FSDP):
         return gather_fsdp1_adapter(model, rank0)
     state = {}

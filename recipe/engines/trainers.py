@@ -6,8 +6,6 @@ FSDP or DeepSpeed instead of the fallback accelerate picks there.
 from __future__ import annotations
 
 import functools
-import os
-from contextlib import contextmanager
 
 import torch
 from trl import SFTTrainer
@@ -29,15 +27,19 @@ class CpuEngineSFTTrainer(SFTTrainer):
     `accelerator.prepare` path runs as on GPUs. Set `engine` ("fsdp" or "deepspeed") in a subclass."""
 
     def __init__(self, *args, engine: str = "fsdp", launch: Launch | None = None, **kwargs):
-        self.engine, self.launch = engine, launch or Launch.current()  # read while the Trainer builds its Accelerator
+        self.engine = engine
+        if launch is not None:  # else set before, by CompleteCheckpointsMixin; read while the Accelerator is built
+            self.launch = launch
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
-        from accelerate.state import PartialState
         from accelerate.utils import DistributedType
 
+        from recipe.compat import fsdp1_plugin_without_an_accelerator, record_engine
+
         launch = self.launch
-        with without_fsdp1_device_settings(launch):  # the Accelerator builds an FSDP plugin from the env, even on CPU
+        # the Accelerator builds an FSDP plugin from the environment, even on CPU
+        with fsdp1_plugin_without_an_accelerator(launch.fsdp_version == 1):
             super().create_accelerator_and_postprocess()
         state = self.accelerator.state
         if self.engine == "deepspeed":
@@ -50,19 +52,18 @@ class CpuEngineSFTTrainer(SFTTrainer):
             comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # over accelerate's process group
             plugin = self.args.deepspeed_plugin  # TrainingArguments built it from the launch environment
             plugin.select(_from_accelerator_state=True)
-            state.deepspeed_plugins, state.distributed_type = plugin, DistributedType.DEEPSPEED
+            record_engine(state, DistributedType.DEEPSPEED, deepspeed_plugin=plugin)
             self.accelerator.deepspeed_engine_wrapped = None
             self.is_deepspeed_enabled = True
             propagate_args_to_deepspeed(self.accelerator, self.args)  # batch size, accumulation, clipping, optimizer
         else:
-            state.fsdp_plugin, state.distributed_type = cpu_fsdp_plugin(launch), DistributedType.FSDP
+            plugin = cpu_fsdp_plugin(launch)
             if state.mixed_precision != "no":  # as accelerate does on GPUs: FSDP's own mixed-precision policy
-                state.fsdp_plugin.set_mixed_precision(state.mixed_precision)
+                plugin.set_mixed_precision(state.mixed_precision)
+            # FSDP1 compares device_id with torch.cpu.current_device(): "cpu", not "cpu:0"
+            record_engine(state, DistributedType.FSDP, fsdp_plugin=plugin,
+                          device=torch.device("cpu") if launch.fsdp_version == 1 else None)
             self.is_fsdp_enabled = True
-            if launch.fsdp_version == 1:  # FSDP1 compares device_id with torch.cpu.current_device(): "cpu", not "cpu:0"
-                state.device = PartialState._shared_state["device"] = torch.device("cpu")
-        # Every later AcceleratorState() re-reads the process-level state: record the engine there too, as accelerate
-        PartialState._shared_state["distributed_type"] = state.distributed_type
 
 
 # What FSDP does differently on a host without an accelerator (cpu_fsdp_plugin), per accelerate setting in effect:
@@ -99,9 +100,9 @@ def cpu_fsdp_plugin(launch: Launch):
         return plugin
     from torch.distributed.fsdp import CPUOffload
 
-    from recipe.compat import TORCH_FSDP1_SYNCS_CPU_TENSORS
+    from recipe.compat import TORCH_FSDP1_SYNCS_CPU_TENSORS, fsdp1_plugin_without_an_accelerator
 
-    with without_fsdp1_device_settings(launch):
+    with fsdp1_plugin_without_an_accelerator():
         plugin = FullyShardedDataParallelPlugin()
     plugin.cpu_ram_efficient_loading = launch.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
     if launch.fsdp_setting("SYNC_MODULE_STATES") or plugin.cpu_ram_efficient_loading:
@@ -110,24 +111,6 @@ def cpu_fsdp_plugin(launch: Launch):
         TORCH_FSDP1_SYNCS_CPU_TENSORS.apply()
     plugin.cpu_offload = CPUOffload(offload_params=False)
     return plugin
-
-
-@contextmanager
-def without_fsdp1_device_settings(launch: Launch):
-    """The FSDP1 settings whose plugin construction needs an accelerator switched off in this process's environment
-    (the environment is restored afterwards; cpu_fsdp_plugin puts their meaning back)."""
-    names = ("FSDP_SYNC_MODULE_STATES", "FSDP_CPU_RAM_EFFICIENT_LOADING")
-    saved = {name: os.environ.get(name) for name in names}
-    if launch.fsdp_version == 1:
-        os.environ.update(dict.fromkeys(names, "false"))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def keep_fsdp1_buffers_in_fp32(plugin) -> bool:
@@ -189,9 +172,9 @@ class RecipeCpuEngineSFTTrainer(CompleteCheckpointsMixin, Fsdp1WrapMixin, Packed
     """The same, keeping FSDP or DeepSpeed on a host without an accelerator."""
 
 
-def trainer_class(cpu_engine: str | None, launch: Launch | None = None):
-    """The trainer to build: RecipeSFTTrainer, or RecipeCpuEngineSFTTrainer with the engine (`cpu_engine`: "fsdp" or
-    "deepspeed") and the settled launch."""
+def trainer_class(cpu_engine: str | None, launch: Launch):
+    """The trainer to build for the settled launch: RecipeSFTTrainer, or RecipeCpuEngineSFTTrainer with the engine
+    (`cpu_engine`: "fsdp" or "deepspeed")."""
     if cpu_engine is None:
-        return RecipeSFTTrainer
+        return functools.partial(RecipeSFTTrainer, launch=launch)
     return functools.partial(RecipeCpuEngineSFTTrainer, engine=cpu_engine, launch=launch)

@@ -29,13 +29,13 @@ MMAP_THRESHOLD_BYTES = 2**20
 M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1  # mallopt's parameter numbers (malloc.h)
 
 
-def return_freed_memory() -> bool:
+def return_freed_memory(set_by_environment: bool = False) -> bool:
     """Fix glibc's mmap threshold for this process, so host RAM follows what the run holds (False where this is not
-    glibc). MALLOC_MMAP_THRESHOLD_ in the environment, read by glibc at start-up, wins."""
+    glibc). `set_by_environment` (Launch.mmap_threshold_set): MALLOC_MMAP_THRESHOLD_, read by glibc at start-up, wins."""
     import ctypes
     import ctypes.util
 
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if set_by_environment:
         return True
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -58,11 +58,10 @@ class PhasePeaks:
 
     INTERVAL_S = 0.002
     DEVICE_EVERY = 10  # samples: the device's used memory every 20 ms (a driver call, not a /proc read)
-    # Where each phase starts, for a sampler outside the process (bench/memory_grid.py): one line per mark,
-    # "rank pid phase unix-time", appended to the file this variable names
-    MARKS_VARIABLE = "RECIPE_PHASE_MARKS"
-
-    def __init__(self):
+    def __init__(self, marks: str | None = None, rank: int = 0):
+        """`marks`: where each phase's start goes, for a sampler outside the process (bench/memory_grid.py's
+        RECIPE_PHASE_MARKS, Launch.phase_marks): one line per mark, "rank pid phase unix-time"."""
+        self.marks, self.rank = marks, rank
         self.phases: dict[str, dict[str, float | None]] = {}
         self._current: str | None = None
         self._stop = threading.Event()
@@ -107,14 +106,10 @@ class PhasePeaks:
         free, total = torch.cuda.mem_get_info(device)
         return total - free
 
-    @classmethod
-    def mark(cls, phase: str) -> None:
-        from recipe.platform.launch import Launch
-
-        marks = os.environ.get(cls.MARKS_VARIABLE)
-        if marks:
-            with open(marks, "a") as out:
-                out.write(f"{Launch.current().rank} {os.getpid()} {phase} {time.time():.6f}\n")
+    def mark(self, phase: str) -> None:
+        if self.marks:
+            with open(self.marks, "a") as out:
+                out.write(f"{self.rank} {os.getpid()} {phase} {time.time():.6f}\n")
 
     def start(self, phase: str) -> None:
         self.end()

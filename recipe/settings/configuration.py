@@ -61,6 +61,7 @@ class Facts:
     gpu_gib: float | None = None  # memory of each GPU: this machine's, or --gpu_gib
     host_gib: float | None = None  # host RAM available when the run starts
     threads: int = 1  # torch's intra-op threads
+    hub_offline: bool = False  # HF_HUB_OFFLINE in this process: Hub ids must be in the local cache
     model_config: Any = None  # the model's transformers config, when it could be read without weights
     tokenizer: Any = None  # the tokenizer with the chosen chat template, when it could be loaded
     added_token_ids: list[int] = field(default_factory=list)  # tokens that template added to the vocabulary
@@ -87,17 +88,14 @@ class Facts:
         return self.cuda and self.here
 
 
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-
-
-def read_model_config(name_or_path: str, trust_remote_code: bool = False, token: str | None = None):
+def read_model_config(name_or_path: str, trust_remote_code: bool = False, token: str | None = None,
+                      offline: bool = False):
     """The model's config.json (no weights), or None when it cannot be read here."""
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, token=token,
-                                          local_files_only=hub_offline())
+                                          local_files_only=offline)
     except Exception:
         return None
 
@@ -114,10 +112,13 @@ def launch_of(accelerate_config: str) -> tuple[Launch, bool]:
     return Launch(env, settings.get("num_processes", 1)), bool(settings.get("use_cpu", False))
 
 
-def gather(request: Request) -> Facts:
-    """Read everything the configuration depends on. The offline default model is converted here once (about 20 s),
-    so its config and tokenizer are facts like any other model's."""
-    launch, here = launch_of(request.accelerate_config) if request.accelerate_config else (Launch.current(), True)
+def gather(request: Request, this_process: Launch | None = None) -> Facts:
+    """Read everything the configuration depends on. `this_process`: the environment this process was started with
+    (read here where not given): the launch itself, unless --accelerate_config names one to check, and the Hub's
+    settings. The offline default model is converted here once (about 20 s), so its config and tokenizer are facts
+    like any other model's."""
+    this_process = this_process or Launch.current()
+    launch, here = launch_of(request.accelerate_config) if request.accelerate_config else (this_process, True)
     model, trust = request.model, bool(request.training.get("trust_remote_code", False))
     token = request.training.get("hub_token")
     if here and model.model_name_or_path == DEFAULT_MODEL_DIR and gguf_source() is not None:
@@ -134,7 +135,8 @@ def gather(request: Request) -> Facts:
                   torch_varlen=torch_varlen_attn()[0] is not None, torch_varlen_windows=torch_varlen_windows(),
                   liger=is_liger_kernel_installed(),
                   gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
-                  model_config=read_model_config(model.model_name_or_path, trust, token))
+                  hub_offline=this_process.hub_offline,
+                  model_config=read_model_config(model.model_name_or_path, trust, token, this_process.hub_offline))
     if launch.num_processes > 1 and facts.model_config is not None:
         facts.load_rates = load_rates(launch, model, here)
     folder = Path(model.model_name_or_path)
