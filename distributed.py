@@ -32,7 +32,8 @@ FSDP_ONLY = {
     "fsdp_forward_prefetch": "DeepSpeed prefetches by itself (stage3_prefetch_bucket_size in a DeepSpeed JSON)",
     "fsdp_use_orig_params": "DeepSpeed keeps the original parameters visible",
     "fsdp_sync_module_states": "zero.Init partitions at load, nothing to broadcast",
-    "fsdp_activation_checkpointing": "no accelerate key on the DeepSpeed side: use --activation_checkpointing in train.py",
+    "fsdp_activation_checkpointing": "no accelerate key on the DeepSpeed side: use --activation_checkpointing in "
+                                     "train.py",
 }
 PRECISION_NOTE = ("precision differs: DeepSpeed keeps fp32 master weights of the trainable parameters and steps the "
                   "optimizer in fp32 whatever the load dtype; FSDP flattens and steps in the load dtype (bf16 here) "

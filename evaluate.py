@@ -124,7 +124,8 @@ def main() -> None:
     raw, _, _, _ = load_splits(args.dataset_name, [args.split])
     heldout = heldout_examples(raw[args.split], args.num_prompts)
     if heldout is None:
-        raise SystemExit(f"error: the {args.split} split is plain text; exact match needs chat or prompt/completion data.")
+        raise SystemExit(f"error: the {args.split} split is plain text; exact match needs chat or prompt/completion "
+                         "data.")
     tokenizer = AutoTokenizer.from_pretrained(args.adapter or args.model_name_or_path)
     model = load_causal_lm(args.model_name_or_path, dtype=torch.float32)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs a launch command (its arguments) so that preemption ends it cleanly; every run_peft_*.sh launcher and the SLURM
 # script go through it.
-# - Before the launch, this node's part of it is checked (python -m recipe.platform.launch check-node): a machine rank outside
-#   0..num_machines-1 or other than SLURM_NODEID, a machine rank 0 away from --main_process_ip, or a port already
-#   taken would otherwise leave every node waiting for the rendezvous until it times out. It exits 2 with the setting.
+# - Before the launch, this node's part of it is checked (python -m recipe.platform.launch check-node): a machine rank
+#   outside 0..num_machines-1 or other than SLURM_NODEID, a machine rank 0 away from --main_process_ip, or a port
+#   already taken would otherwise leave every node waiting for the rendezvous until it times out. It exits 2 with the
+#   setting.
 # - torchrun's agent (inside `accelerate launch`) forwards SIGTERM / SIGINT to the workers, then kills them after
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, 30 by default: shorter than a 70B step. 280 here leaves room for the rest
 #   of the step and the checkpoint train.py then saves, inside SLURM's 300 s warning (--signal=TERM@300).

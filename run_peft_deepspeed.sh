@@ -4,11 +4,14 @@
 # Memory:  planned per GPU and host RAM in the README's Launchers table (bench/plan_tables.py makes it from the
 #          planner); `python train.py --check ...` with your flags prints the plan for your run.
 # Usage:   ./run_peft_deepspeed.sh [train.py flags that override the ones below]
-#          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs. Needs `pip install -r requirements-gpu.txt`.
+#          MODEL=... DATASET=... pick another model or dataset;
+#          NUM_PROCESSES=N uses N GPUs. Needs `pip install -r requirements-gpu.txt`.
 set -euo pipefail
 cd "$(dirname "$0")"
-./preemptible.sh accelerate launch ${NUM_PROCESSES:+--num_processes "$NUM_PROCESSES"} --config_file "${ACCELERATE_CONFIG:-configs/deepspeed_config.yaml}" \
+./preemptible.sh accelerate launch ${NUM_PROCESSES:+--num_processes "$NUM_PROCESSES"} \
+  --config_file "${ACCELERATE_CONFIG:-configs/deepspeed_config.yaml}" \
   train.py configs/llama2_70b_chat_sft.yaml \
-  --model_name_or_path "${MODEL:-meta-llama/Llama-2-70b-hf}" --dataset_name "${DATASET:-smangrul/ultrachat-10k-chatml}" \
+  --model_name_or_path "${MODEL:-meta-llama/Llama-2-70b-hf}" \
+  --dataset_name "${DATASET:-smangrul/ultrachat-10k-chatml}" \
   --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --gradient_accumulation_steps 4 \
   --use_reentrant true --output_dir outputs/llama2-70b-lora-deepspeed "$@"

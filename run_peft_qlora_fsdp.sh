@@ -4,12 +4,15 @@
 # Memory:  planned per GPU and host RAM in the README's Launchers table (bench/plan_tables.py makes it from the
 #          planner); `python train.py --check ...` with your flags prints the plan for your run.
 # Usage:   ./run_peft_qlora_fsdp.sh [train.py flags that override the ones below]
-#          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs; ACCELERATE_CONFIG=configs/fsdp2_config_qlora.yaml for FSDP2.
+#          MODEL=... DATASET=... pick another model or dataset; NUM_PROCESSES=N uses N GPUs;
+#          ACCELERATE_CONFIG=configs/fsdp2_config_qlora.yaml for FSDP2.
 set -euo pipefail
 cd "$(dirname "$0")"
-./preemptible.sh accelerate launch ${NUM_PROCESSES:+--num_processes "$NUM_PROCESSES"} --config_file "${ACCELERATE_CONFIG:-configs/fsdp_config_qlora.yaml}" \
+./preemptible.sh accelerate launch ${NUM_PROCESSES:+--num_processes "$NUM_PROCESSES"} \
+  --config_file "${ACCELERATE_CONFIG:-configs/fsdp_config_qlora.yaml}" \
   train.py configs/llama2_70b_chat_sft.yaml \
-  --model_name_or_path "${MODEL:-meta-llama/Llama-2-70b-hf}" --dataset_name "${DATASET:-smangrul/ultrachat-10k-chatml}" \
+  --model_name_or_path "${MODEL:-meta-llama/Llama-2-70b-hf}" \
+  --dataset_name "${DATASET:-smangrul/ultrachat-10k-chatml}" \
   --per_device_train_batch_size 2 --per_device_eval_batch_size 2 --gradient_accumulation_steps 2 \
   --use_reentrant true --use_4bit_quantization true --use_nested_quant true \
   --bnb_4bit_compute_dtype bfloat16 --bnb_4bit_quant_storage_dtype bfloat16 \

@@ -80,7 +80,8 @@ def run(argv: list[str]):
 
     set_seed(config.training.seed)
     data = load_data(config)
-    peaks = PhasePeaks(config.launch.phase_marks, config.launch.rank)  # loading: read (from_pretrained), wrap (PEFT, Trainer), shard (until the engine placed it)
+    # loading: read (from_pretrained), wrap (PEFT, Trainer), shard (until the engine placed it)
+    peaks = PhasePeaks(config.launch.phase_marks, config.launch.rank)
     peaks.start("read")
     model = build_base_model(config)
     peaks.start("wrap")
@@ -366,7 +367,8 @@ def build_trainer(config: Configuration, model, data: TrainingData):
 
 
 def adapted_matrices(model) -> dict[str, int]:
-    """How many matrices of each name LoRA adapts (q_proj x 2, w1 x 16, gate.weight x 2 ...): nothing left out unseen."""
+    """How many matrices of each name LoRA adapts (q_proj x 2, w1 x 16, gate.weight x 2 ...): nothing left out
+    unseen."""
     from collections import Counter
 
     from peft.tuners.lora import LoraLayer, ParamWrapper

@@ -40,9 +40,9 @@ def build_model(model_args, tokenizer, added_token_ids: list[int], *, dtype: tor
     """The base model as the configuration says (configuration.settle decides dtype, attention and placement).
 
     `weights_from_rank0`: a sharded run in which rank 0 (`rank0`: this process) alone reads the checkpoint (device_map
-    cpu) and the other ranks build on the meta device (device_map meta); sharding.receive_from_rank0 then sends what no engine carries, with
-    the quantization state placed on `device`, the training device. `place_on`: where the model moves once loaded and
-    its experts split on the host (a 4-bit mixture of experts on one GPU)."""
+    cpu) and the other ranks build on the meta device (device_map meta); sharding.receive_from_rank0 then sends what
+    no engine carries, with the quantization state placed on `device`, the training device. `place_on`: where the
+    model moves once loaded and its experts split on the host (a 4-bit mixture of experts on one GPU)."""
     if attention in PACKED_ATTENTIONS:
         register_attention(attention)
     quantization_config = build_quantization_config(model_args)

@@ -38,7 +38,8 @@ if {bf16!r}:
 trainer, summary = train.run(["--overwrite_output_dir", "true", "--output_dir", {out!r}, *{extra!r}])
 steps = summary["step_seconds"][1:]
 print("RESULT " + json.dumps({{"train_loss": summary["train_loss"], "eval_loss": summary.get("eval_loss"),
-      "exact_match_after": summary.get("exact_match_after"), "step_seconds": statistics.median(steps) if steps else None,
+      "exact_match_after": summary.get("exact_match_after"),
+      "step_seconds": statistics.median(steps) if steps else None,
       "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
       "adapter_dtypes": sorted({{str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}})}}))
 '''
@@ -77,7 +78,8 @@ def main(argv=None) -> dict:
     result = {"date": time.strftime("%Y-%m-%d"), "repeats": args.repeats, "runs": runs,
               "median_step_seconds": {name: statistics.median(r["step_seconds"] for r in rs)
                                       for name, rs in runs.items()},
-              "bf16_step_over_fp32_per_round": [b["step_seconds"] / f for b, f in zip(runs["bf16 adapters"], fp32_steps)]}
+              "bf16_step_over_fp32_per_round": [b["step_seconds"] / f
+                                                for b, f in zip(runs["bf16 adapters"], fp32_steps)]}
     print(json.dumps({key: value for key, value in result.items() if key != "runs"}))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -19,7 +19,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -160,14 +159,6 @@ def demo_data(out: Path, examples: int = 32) -> Path:
     return out
 
 
-def machine() -> dict:
-    from recipe.platform.hardware import native_bf16_supported
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "native_bf16": native_bf16_supported()}
-
-
 def cell_text(result: dict) -> str:
     if result["outcome"] == "trains":
         return f"trains ({result['detail']})"
@@ -199,7 +190,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--cells", nargs="*", help="cell ids (config:method:precision); all by default")
     args = parser.parse_args(argv)
     chosen = [cell for cell in cells() if not args.cells or cell.id in args.cells]
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "cells": {}}
+    from recipe.platform.hardware import describe
+
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": describe(), "cells": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir, data_dir = tiny_model(work / "model"), demo_data(work / "data")

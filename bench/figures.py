@@ -4,7 +4,8 @@
     .venv/bin/python bench/figures.py --write   # rewrites them where they are
 
 A block names the results file it is made from (a path under bench/), so each dated table stays with its run:
-`<!-- figures.py: KIND FILE.json -->` ... `<!-- /figures.py -->`. Kinds, from the GPU check's results
+`<!-- figures.py: KIND FILE.json -->` ... `<!-- /figures.py -->`; several files are several runs, the later's entries
+replacing the earlier's. Kinds, from the GPU check's results
 (gpu_check_results/):
 
 - `speed`: the speed part's runs, a row each: tokens/s, MFU (as this project counts and, where recorded, as NeMo
@@ -14,9 +15,15 @@ A block names the results file it is made from (a path under bench/), so each da
 - `profile`: where one step's GPU time went, and the calls that waited for the GPU, per run that recorded them.
 - `launchers`: each launcher's run: seconds, losses, the reloaded adapter's logits against the trained model's, memory.
 
-and from bench/data_preparation.py's (data_preparation.json):
+and from the CPU scripts' results files:
 
-- `data-preparation`: one rank's preparation on one core and on two, and ranks at once.
+- `data-preparation` (data_preparation.json): one rank's preparation on one core and on two, and ranks at once.
+- `demo` (demo.json): the default run's held-out exact match, losses and seconds.
+- `test-suite` (test_suite.json): `make test` and `make test-fast` on a fresh clone.
+- `benchmark`, `ablation` (benchmark.json): the recipe against `trl sft` on CPU, and each fast path switched off.
+- `memory-grid` (memory_grid.json): each case's growth per rank and phase against its plan.
+- `memory-validation` (memory_validation.json): the planner against one-process runs' peak RSS.
+- `load-time` (load_time.json): rank 0's load, planned and measured, and the collective timeout.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from plan_tables import DOCUMENTS, blocks_command  # noqa: E402
 TOOL = "figures.py"
 LAUNCHER_NAMES = {"fsdp1-qlora-offload": "FSDP1 QLoRA + CPU offload", "fsdp2-lora": "FSDP2 LoRA",
                   "zero3-lora": "ZeRO-3 LoRA", "zero3-qlora": "ZeRO-3 QLoRA"}
+METHOD_NAMES = {"lora": "LoRA", "qlora": "QLoRA"}
 DATA_NAMES = {"chat": "chat lengths (LMSYS-Chat-1M)", "full": "full 4096-token sequences", "demo": "demo dates"}
 
 
@@ -119,22 +127,125 @@ def launchers_table(results: dict) -> str:
 def data_preparation_table(results: dict) -> str:
     r = results
     return "\n".join([
-        "| conversations | tokens | one core | two cores | identical tokens | 2 ranks at once, a core each | ranks apart |",
+        "| conversations | tokens | one core | two cores | identical tokens | 2 ranks at once, a core each "
+        "| ranks apart |",
         "|---|---|---|---|---|---|---|",
-        f"| {r['examples']:,} | {r['tokens'] / 1e6:.1f}M | {r['seconds_one_core']} s ({r['examples_per_second_one_core']} "
+        f"| {r['examples']:,} | {r['tokens'] / 1e6:.1f}M | {r['seconds_one_core']} s "
+        f"({r['examples_per_second_one_core']} "
         f"conversations/s) | {r['seconds_two_cores']} s ({r['two_cores_speedup']}x) | "
         f"{'yes' if r['identical_tokens'] else 'NO'} | {' s and '.join(map(str, r['seconds_together']))} s | "
         f"{r['spread_seconds']} s |"])
 
 
+def machine(r: dict) -> str:
+    return f"{r['date']}, {r['cores']} cores of {r['cpu']}"
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{round(seconds % 60):02d}"
+
+
+def demo_line(r: dict) -> str:
+    return (f"{machine(r)} ({'bf16' if r['bf16'] else 'fp32'}): held-out exact match **{r['exact_match_before']:.1%} "
+            f"before, {r['exact_match_after']:.1%} after**, train loss {r['train_loss']:.3f}, eval loss "
+            f"{r['eval_loss']:.3f}, {r['seconds']:.0f} s in all.")
+
+
+def test_suite_line(r: dict) -> str:
+    full, fast = r["results"]["make test"], r["results"]["make test-fast"]
+    failed = lambda run: f", {run['failed']} failed" if run["failed"] else ""  # noqa: E731
+    return (f"{machine(r)}: `make test` {full['passed']} passed{failed(full)}, pytest {minutes(full['pytest_s'])} "
+            f"({minutes(full['total_s'])} with the setup of a fresh clone); `make test-fast` {fast['passed']} passed"
+            f"{failed(fast)} in {fast['pytest_s']:.0f} s.")
+
+
+def benchmark_table(r: dict) -> str:
+    lines = [f"{r['date']}, {r['threads']} threads, {r['precision']}, {r['steps']} steps, median of the runs; "
+             f"{r['flops_per_token'] / 1e6:.0f} MFLOP per trained token:", "",
+             "| setup | tokens/s | s/step | peak RSS | loss, steps 1 / 4 / 8 | FLOPs utilisation | recipe / this |",
+             "|---|---|---|---|---|---|---|"]
+    recipe = next(iter(r["table"].values()))["tokens_per_s"]
+    for name, row in r["table"].items():
+        losses = row["losses"]
+        lines.append(f"| {name} | {row['tokens_per_s']:.0f} | {row['s_per_step']:.2f} | "
+                     f"{row['peak_rss_gib']:.2f} GiB | "
+                     f"{losses[0]:.3f} / {losses[3]:.3f} / {losses[-1]:.3f} | {row['flops_utilisation']:.0%} | "
+                     f"{recipe / row['tokens_per_s']:.2f}x |")
+    lines += ["", "Every matrix product of one step timed alone at its own shape: "
+              f"{r['matmul_ceiling']:.0%} utilisation if nothing else took time."]
+    return "\n".join(lines)
+
+
+def ablation_table(r: dict) -> str:
+    lines = ["| | median seconds | vs the recipe | rounds it beat the recipe |", "|---|---|---|---|"]
+    for index, (name, row) in enumerate(r["ablation"].items()):
+        lines.append(f"| {name} | {row['seconds']:.2f} | {row['vs_recipe']:.2f}x | "
+                     f"{row['faster_than_recipe'] if index else ''} |")
+    return "\n".join(lines)
+
+
+def memory_grid_table(r: dict) -> str:
+    """Each case's growth per rank and phase, planned / measured GiB, the error shown where it passes 10%."""
+    phases = ["rank 0 load", "rank 0 train", "rank 1 load", "rank 1 train"]
+    lines = [r["measured"], "", "| case | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+    for case in r["results"]:
+        cells = []
+        for phase in phases:
+            value = case.get("phases", {}).get(phase)
+            if value is None:
+                cells.append("")
+                continue
+            error = (value["measured"] - value["planned"]) / value["planned"] if value["planned"] else 0
+            cells.append(f"{value['planned']:.2f} / {value['measured']:.2f}" + (f" ({error:+.0%})" if abs(error) > 0.1
+                                                                               and value["planned"] > 0.1 else ""))
+        lines.append(f"| {case['case']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memory_validation_table(runs: list) -> str:
+    lines = ["| run | process | weights | training | peak | error |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        pair = lambda key: f"{run[key][0]:.2f} / {run[key][1]:.2f}"  # noqa: E731
+        error = run["peak"][0] / run["peak"][1] - 1
+        lines.append(f"| {run['run']} | {pair('process')} | {pair('weights')} | {pair('training')} | {pair('peak')} | "
+                     f"{error:+.0%} |")
+    return "\n".join(lines)
+
+
+def load_time_line(r: dict) -> str:
+    runs = "; ".join(f"{METHOD_NAMES[method]} planned {run['planned_s']:.1f} s, measured "
+                     f"{run['measured_s']:.1f} s ({run['ratio']:.2f}), collective timeout "
+                     f"{run['collective_timeout_s']} s"
+                     f"{'' if run['covered'] else ' (NOT covered)'}" for method, run in r["runs"].items())
+    return f"{r['date']}, {r['cores']} cores, a {r['checkpoint_gib']} GiB checkpoint: {runs}."
+
+
 KINDS = {"speed": speed_table, "speed-line": speed_line, "profile": profile_table, "launchers": launchers_table,
-         "data-preparation": data_preparation_table}
+         "data-preparation": data_preparation_table, "demo": demo_line, "test-suite": test_suite_line,
+         "benchmark": benchmark_table, "ablation": ablation_table, "memory-grid": memory_grid_table,
+         "memory-validation": memory_validation_table, "load-time": load_time_line}
+
+
+def merged(files: list[str]) -> dict | list:
+    """The results of one file, or of several runs in order: a later run's entries replace an earlier one's (each
+    launcher's latest row, for example)."""
+    results = [json.loads((RESULTS / file).read_text()) for file in files]
+    if len(results) == 1:
+        return results[0]
+    out: dict = {}
+    for result in results:
+        for key, value in result.items():
+            out[key] = {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def block(name: str) -> str:
-    """Block `name` ("KIND FILE.json") made from its results file."""
-    kind, file = name.split(" ", 1)
-    return KINDS[kind](json.loads((RESULTS / file).read_text()))
+    """Block `name` ("KIND FILE.json [FILE.json ...]") made from its results files; empty while a file is not there
+    yet (a script whose first run is still to come publishes nothing)."""
+    kind, *files = name.split()
+    if not all((RESULTS / file).is_file() for file in files):
+        return ""
+    return KINDS[kind](merged(files))
 
 
 def written_names() -> list[str]:

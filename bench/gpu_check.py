@@ -68,9 +68,9 @@ LAUNCHER_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layer
                       num_key_value_heads=4, vocab_size=49152, max_position_embeddings=2048)
 TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048)
-# Seconds each part may take on the GPU machine; on CPU (--dry_run) the tiny shapes take far less. Attention (FlexAttention
-# compiles for two families) and the speed part's six runs of an 8B model (about 30 s each planned: loading 16 GB, 15
-# steps of about 0.7 s) are not timed on a GPU yet; the others are 1.5x the slowest run seen
+# Seconds each part may take on the GPU machine; on CPU (--dry_run) the tiny shapes take far less. Attention
+# (FlexAttention compiles for two families) and the speed part's six runs of an 8B model (about 30 s each planned:
+# loading 16 GB, 15 steps of about 0.7 s) are not timed on a GPU yet; the others are 1.5x the slowest run seen
 PART_SECONDS = {"attention": 90, "speed": 300, "launchers": 300, "loading": 90, "quantization": 30}
 GPU_GIB = 139.8  # an H200 as torch reports it (143771 MiB): the GPU the recorded runs were planned for
 LAUNCHERS = {  # name: (accelerate config, extra train.py flags)

@@ -1,4 +1,5 @@
-"""The memory planner against runs of train.py at the largest scale a 2-core, 24 GiB machine holds, measured from outside.
+"""The memory planner against runs of train.py at the largest scale a 2-core, 24 GiB machine holds, measured from
+outside.
 
     .venv/bin/python bench/memory_grid.py                 # the whole grid; writes bench/memory_grid.json and .md
     .venv/bin/python bench/memory_grid.py --cases NAME..  # some of it (names as in the table)
@@ -240,7 +241,8 @@ class Case:
 
     def flags(self, model_dir: Path, data_dir: Path, out: Path) -> list[str]:
         flags = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--splits", "train",
-                 "--output_dir", str(out), "--max_steps", str(self.steps), "--per_device_train_batch_size", str(self.batch),
+                 "--output_dir", str(out), "--max_steps", str(self.steps),
+                 "--per_device_train_batch_size", str(self.batch),
                  "--max_length", str(self.seq), "--bf16", "false", "--eval_num_prompts", "0", "--disable_tqdm", "true",
                  "--logging_steps", "1", "--save_strategy", "no", "--lora_r", "16", "--lora_dropout", "0.05",
                  "--activation_checkpointing", str(self.checkpointing).lower(), "--report_to", "none"]
@@ -320,7 +322,8 @@ def compare(case: Case, plan_phases: dict, measured: list[dict[str, float]]) -> 
         place = "host rank 0" if rank == 0 else "host other rank"
         for phase in ("load", "train", "save"):
             want = plan_phases[phase][place]
-            got = max(0.0, record[phase] - record["save_start" if phase == "save" else "start"])  # a peak above its start
+            # a peak above its start
+            got = max(0.0, record[phase] - record["save_start" if phase == "save" else "start"])
             rows[f"rank {rank} {phase}"] = {"planned": round(want, 3), "measured": round(got, 3),
                                             "ok": abs(got - want) <= max(TOLERANCE * want, TOLERANCE_GIB)}
     return rows

@@ -1,6 +1,6 @@
 """Validate the memory planner against measured runs of train.py on this machine (CPU, peak RSS).
 
-    .venv/bin/python bench/memory_validation.py               # about 3 minutes on 2 cores; writes bench/memory_validation.json
+    .venv/bin/python bench/memory_validation.py   # about 3 minutes on 2 cores; writes bench/memory_validation.json
 
 Each run is a real `train.py` run in its own process. The process records its RSS after the imports (the process
 base), after the model is built (the weights), and its peak (ru_maxrss) at the end; the planner predicts the same

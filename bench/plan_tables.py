@@ -27,7 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-DOCUMENTS = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # where the blocks may be
+# where the blocks may be
+DOCUMENTS = [REPO / "README.md", REPO / "NOTES.md", REPO / "bench" / "README.md", REPO / "configs" / "README.md",
+             *sorted((REPO / "docs").glob("*.md"))]
 MODEL_FLAGS = ["--check", "--accelerate_config", "configs/fsdp2_config_qlora.yaml", "--gpu_gib", "24",
                "--use_4bit_quantization", "true", "--max_length", "2048", "--per_device_train_batch_size", "2",
                "--gradient_accumulation_steps", "4", "--eval_num_prompts", "0"]
@@ -44,7 +46,8 @@ LLAMA_2_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hi
                "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
                "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
                "tie_word_embeddings": False, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
-RECORDER = "#!/usr/bin/env python3\nimport json, os, sys\nopen(os.environ['ARGV_LOG'], 'w').write(json.dumps(sys.argv[1:]))\n"
+RECORDER = ("#!/usr/bin/env python3\nimport json, os, sys\n"
+            "open(os.environ['ARGV_LOG'], 'w').write(json.dumps(sys.argv[1:]))\n")
 PHASES = ("load", "train", "save")
 
 
@@ -121,7 +124,8 @@ def qlora_64gb(model_dir: Path) -> str:
         return "64 GB is " + ("enough" if max(p["host machine"] for p in plan.phases.values()) < 64e9 / 2**30 else
                               "not enough")
 
-    _, _, fsdp2 = launcher_plan("run_peft_qlora_fsdp.sh", model_dir, ACCELERATE_CONFIG="configs/fsdp2_config_qlora.yaml")
+    _, _, fsdp2 = launcher_plan("run_peft_qlora_fsdp.sh", model_dir,
+                                ACCELERATE_CONFIG="configs/fsdp2_config_qlora.yaml")
     return (f"**QLoRA on 64 GB of host RAM** (`run_peft_qlora_fsdp.sh`, Llama-2-70B, {config.launch.num_processes} x "
             f"24 GB, FSDP1 with offload): the 4-bit base (NF4 with nested constants, embeddings and head in bf16) is "
             f"{host['weights (frozen)']:.1f} GiB. Load: rank 0 quantizes into host RAM one fp16 weight at a time "
@@ -132,7 +136,8 @@ def qlora_64gb(model_dir: Path) -> str:
             f"({host['weights (frozen)']:.1f}) + adapter, gradients and AdamW state ({state:.1f}) + processes "
             f"({host['processes']:.1f}) = {train['host machine']:.1f} GiB. Save: the adapter gathered onto rank 0 "
             f"({save['host rank 0']:.1f}) on top = {save['host machine']:.1f} GiB: {fits(plan)}. The FSDP2 variant "
-            f"(`ACCELERATE_CONFIG=configs/fsdp2_config_qlora.yaml`) peaks at {fsdp2.phases['load']['host machine']:.1f} "
+            "(`ACCELERATE_CONFIG=configs/fsdp2_config_qlora.yaml`) peaks at "
+            f"{fsdp2.phases['load']['host machine']:.1f} "
             f"GiB while loading (rank 0 lets go of each tensor of its base once accelerate has sent it, as the other "
             f"rank's shards arrive): {fits(fsdp2)}. "
             "The published 107 GB was measured on an older stack, where (by its code) every rank loaded the model and "
@@ -181,26 +186,27 @@ def readme_block(name: str, text: str, tool: str = "plan_tables.py") -> str | No
     return found.group(2).removesuffix("\n") if found else None
 
 
-def written_block(name: str, tool: str = "plan_tables.py") -> tuple[Path, str] | None:
-    """The document that holds block `name`, and the block as written there."""
+def written_blocks(name: str, tool: str = "plan_tables.py") -> list[tuple[Path, str]]:
+    """Each document that holds block `name`, with the block as written there."""
+    found = []
     for document in DOCUMENTS:
         block = readme_block(name, document.read_text(), tool)
         if block is not None:
-            return document, block
-    return None
+            found.append((document, block))
+    return found
 
 
 def write_blocks(made: dict[str, str], tool: str = "plan_tables.py") -> None:
-    """Rewrite each block of `made` where a document holds it."""
+    """Rewrite each block of `made` wherever a document holds it."""
     for name, block in made.items():
-        found = written_block(name, tool)
-        if found is None:
+        found = written_blocks(name, tool)
+        if not found:
             sys.exit(f"no document has a `<!-- {tool}: {name} -->` ... `<!-- /{tool} -->` block")
-        document = found[0]
-        text = marked(name, tool).sub(lambda match: match.group(1) + block + "\n" + match.group(3),
-                                      document.read_text())
-        document.write_text(text)
-        print(f"{document.relative_to(REPO)}: {name} rewritten")
+        for document, _ in found:
+            text = marked(name, tool).sub(lambda match: match.group(1) + block + "\n" + match.group(3),
+                                          document.read_text())
+            document.write_text(text)
+            print(f"{document.relative_to(REPO)}: {name} rewritten")
 
 
 def blocks_command(make_blocks, description: str, argv: list[str] | None = None,

@@ -77,7 +77,8 @@ def test_config_file_then_flags_override(tmp_path, suffix):
 def test_unknown_key_in_file_is_refused_with_a_suggestion(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lora_alpah: 8\nmax_seq_length: 512\n")
-    with pytest.raises(ConfigError, match=r"unknown keys: lora_alpah \(did you mean lora_alpha\?\), max_seq_length \(did you mean max_length\?\)"):
+    with pytest.raises(ConfigError, match=r"unknown keys: lora_alpah \(did you mean lora_alpha\?\), "
+                                          r"max_seq_length \(did you mean max_length\?\)"):
         parse_arguments([str(path)])
 
 

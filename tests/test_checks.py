@@ -93,7 +93,8 @@ CASES = [
      (["--eval_num_prompts", "8"], launch("fsdp2_config.yaml"), {}),
      (["--eval_num_prompts", "0"], launch("fsdp2_config.yaml"), {}), "warning"),
     (checks.added_tokens_under_fsdp,
-     ([], launch("fsdp_config.yaml"), {"added_token_ids": [7, 8]}), ([], launch("fsdp_config.yaml"), {"added_token_ids": []}),
+     ([], launch("fsdp_config.yaml"), {"added_token_ids": [7, 8]}),
+     ([], launch("fsdp_config.yaml"), {"added_token_ids": []}),
      "warning"),
     (checks.added_tokens_under_fsdp,
      (QLORA, launch("fsdp2_config_qlora.yaml"), {"added_token_ids": [7, 8]}),
@@ -112,7 +113,8 @@ CASES = [
      (["--use_flash_attn", "true"], None, {"cuda": True}),
      (["--use_flash_attn", "true"], None, {"cuda": True, "flash_attn": True}), "error"),
     (checks.liger_kernels,
-     (["--use_liger_kernels", "true"], None, {"cuda": False}), (["--use_liger_kernels", "false"], None, {"cuda": False}),
+     (["--use_liger_kernels", "true"], None, {"cuda": False}),
+     (["--use_liger_kernels", "false"], None, {"cuda": False}),
      "error"),
     (checks.liger_kernels,  # a GPU here, but no liger-kernel package
      (["--use_liger_kernels", "true"], None, {"cuda": True}),
@@ -177,14 +179,15 @@ def test_layer_class_to_wrap_is_the_models_own(tiny_model_dir, monkeypatch):
 def test_every_problem_is_reported_at_once_errors_first():
     # a GPU here: the SFTConfig is still built on this host, so without bf16 (TrainingArguments refuses it on CPU)
     s = setup(["--use_4bit_quantization", "true", "--bf16", "false", "--bnb_4bit_quant_storage_dtype", "uint8",
-               "--optim", "paged_adamw_8bit", "--use_flash_attn", "true", "--eval_num_prompts", "4"],  # no varlen kernel
+               # no varlen kernel
+               "--optim", "paged_adamw_8bit", "--use_flash_attn", "true", "--eval_num_prompts", "4"],
               launch("fsdp2_config_qlora.yaml", FSDP_CPU_RAM_EFFICIENT_LOADING="false"), cuda=True)
     problems = preflight(s)
     levels = [p.level for p in problems]
     assert levels == sorted(levels, key=lambda level: level != "error")
     names = " | ".join(str(p) for p in problems)
-    for expected in ("uint8", "paged_adamw_8bit", "no FlashAttention varlen kernel", "QLoRA + FSDP without RAM-efficient",
-                     "--eval_num_prompts"):
+    for expected in ("uint8", "paged_adamw_8bit", "no FlashAttention varlen kernel",
+                     "QLoRA + FSDP without RAM-efficient", "--eval_num_prompts"):
         assert expected in names
     assert all(" Fix: " in str(p) for p in problems)
 
@@ -306,5 +309,6 @@ def test_unsafe_or_unpublishable_inputs_are_refused_before_anything_loads(tmp_pa
     assert fired(checks.publishing_a_local_path, local) == "error"
     named = setup(["--model_name_or_path", str(tiny_model_dir), "--push_to_hub", "true", "--base_model_id", "me/m"])
     assert fired(checks.publishing_a_local_path, named) is None and named.base_model_id == "me/m"
-    assert fired(checks.publishing_a_local_path, setup(["--push_to_hub", "true"])) is None  # the default: its id is known
+    # the default model: its id is known
+    assert fired(checks.publishing_a_local_path, setup(["--push_to_hub", "true"])) is None
     assert fired(checks.token_on_command_line, setup(["--hub_token", "hf_x"])) == "warning"

@@ -53,8 +53,9 @@ def test_torch_fsdp1_guard_is_where_the_patch_lifts_it():
 
     guard = inspect.getsource(_init_utils._check_module_states_for_sync_module_states)
     assert "cpu" in guard.lower()
-    assert "_check_module_states_for_sync_module_states(" in inspect.getsource(_init_utils._sync_module_params_and_buffers) \
-        or "_check_module_states_for_sync_module_states(" in inspect.getsource(_init_utils)
+    check = "_check_module_states_for_sync_module_states("
+    assert check in inspect.getsource(_init_utils._sync_module_params_and_buffers) \
+        or check in inspect.getsource(_init_utils)
 
 
 def test_bitsandbytes_compiles_its_kernels_when_it_is_imported():

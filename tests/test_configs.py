@@ -41,15 +41,16 @@ def plugin_for(config_path, monkeypatch, *launch_flags):
     return env, (FullyShardedDataParallelPlugin() if env.get("ACCELERATE_USE_FSDP") == "true" else DeepSpeedPlugin())
 
 
-def test_configs_are_found():
-    assert len(FSDP_CONFIGS) == 5 and len(DEEPSPEED_CONFIGS) == 3
+def test_the_configs_the_launchers_run_are_among_those_tested_here():
+    """Each launcher's and the SLURM script's default accelerate config is one of the configs every test below
+    builds."""
+    import re
 
-
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
-def test_every_config_starts_with_what_it_is_for_and_its_memory(path):
-    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
-    assert path.read_text().startswith("# ") and any(line.startswith("# Memory:  ") for line in header[:8]) \
-        or path.name == "llama2_70b_chat_sft.yaml"
+    scripts = [*REPO_DIR.glob("run_*.sh"), REPO_DIR / "slurm" / "run_peft_fsdp_multinode.sbatch"]
+    run_by_default = {name for script in scripts
+                      for name in re.findall(r"ACCELERATE_CONFIG:-configs/([\w.]+\.yaml)", script.read_text())}
+    assert len(run_by_default) == len(scripts)
+    assert run_by_default <= {path.name for path in ACCELERATE_CONFIGS}
 
 
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)

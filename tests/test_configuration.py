@@ -94,8 +94,8 @@ def test_placement_and_engine_follow_the_launch():
     zero3 = Launch({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, 2)
     assert settled([], launch=zero3).cpu_engine == "deepspeed"
     gpus = dict(here=False, cuda=True, native_bf16=True)  # a launch checked for GPUs: bf16
-    buffers = {name: {d.setting: d.value for d in settled([], launch=launch, **gpus).decisions}.get("fsdp1 buffer dtype")
-               for name, launch in (("fsdp1", fsdp1), ("fsdp2", fsdp), ("zero3", zero3))}
+    buffers = {name: {d.setting: d.value for d in settled([], launch=launch, **gpus).decisions}
+               .get("fsdp1 buffer dtype") for name, launch in (("fsdp1", fsdp1), ("fsdp2", fsdp), ("zero3", zero3))}
     assert buffers == {"fsdp1": "float32", "fsdp2": None, "zero3": None}  # only FSDP1 casts buffers
     assert "fsdp1 buffer dtype" not in {d.setting for d in settled(["--bf16", "false"], launch=fsdp1).decisions}
     # transformers sets a 4-bit model's FSDP policy to its float storage dtype, bf16 flag or not; uint8 storage: none

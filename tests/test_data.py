@@ -201,7 +201,8 @@ def test_special_token_flags_are_refused_for_chat_data(smol_tokenizer, chat_dir)
 
 
 def per_token_losses(model, input_ids, labels, position_ids=None):
-    logits = model(input_ids=input_ids[None], position_ids=None if position_ids is None else position_ids[None]).logits[0]
+    positions = None if position_ids is None else position_ids[None]
+    logits = model(input_ids=input_ids[None], position_ids=positions).logits[0]
     losses = torch.nn.functional.cross_entropy(logits[:-1].float(), labels[1:], reduction="none", ignore_index=-100)
     return losses[labels[1:] != -100]
 

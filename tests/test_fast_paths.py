@@ -30,7 +30,8 @@ def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict
     model.zero_grad()
     out = model(**batch, use_cache=False)  # as TRL calls it: a cache turns off packed-sequence masking
     out.loss.backward()
-    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), grads
 
 
 @torch.no_grad()

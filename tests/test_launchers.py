@@ -60,12 +60,6 @@ def split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.name)
-def test_launcher_header_states_hardware_memory_and_usage(script):
-    header = script.read_text().split("set -euo pipefail")[0]
-    assert "GPU" in header and "Memory:" in header and "Usage:" in header
-
-
-@pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.name)
 def test_launcher_runs_one_accelerate_command_with_the_recipe(script, fake_bin):
     (call,) = run(script, fake_bin, "--max_steps", "7", MODEL="org/other-model", DATASET="org/other-data")
     launch_args, train_args = split(call["argv"])

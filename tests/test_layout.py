@@ -70,3 +70,45 @@ def test_the_root_keeps_what_a_user_runs_and_each_folder_says_what_it_owns():
     for folder in ["recipe", *(f"recipe/{name}" for name in LAYERS if name != "compat")]:
         docstring = ast.get_docstring(ast.parse((REPO_DIR / folder / "__init__.py").read_text()))
         assert docstring and len(docstring) > 80, folder
+
+
+def test_no_line_of_code_or_config_passes_120_columns():
+    """Python, shell, YAML and the Makefile (Markdown tables may be wider)."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.sh", "*.yaml", "*.sbatch", "Makefile"], cwd=REPO_DIR,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert tracked
+    long = [f"{name}:{number}" for name in tracked if (REPO_DIR / name).is_file()
+            for number, line in enumerate((REPO_DIR / name).read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, long
+
+
+def test_only_the_launch_module_and_the_hardware_probe_touch_the_environment():
+    """Everyone else is handed the settled launch (recipe/platform/launch.py); the environment a library reads is
+    written through launch.export_environment or a compat patch."""
+    allowed = {REPO_DIR / "recipe" / "platform" / "launch.py", REPO_DIR / "recipe" / "platform" / "hardware.py"}
+    touching = []
+    for path in [*REPO_DIR.glob("*.py"), *(REPO_DIR / "recipe").rglob("*.py")]:
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "unsetenv"):
+                touching.append(f"{path.relative_to(REPO_DIR)}:{node.lineno}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                    alias.name in ("environ", "getenv") for alias in node.names):
+                touching.append(f"{path.relative_to(REPO_DIR)}:{node.lineno}")
+    assert not touching, touching
+
+
+def test_rank_0_is_asked_one_way():
+    """`Launch.is_rank0` of the settled launch; compat mirrors accelerate's own test inside the function it wraps."""
+    asked = []
+    for path in [*REPO_DIR.glob("*.py"), *(REPO_DIR / "recipe").rglob("*.py")]:
+        if path.name == "compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("get_rank", "is_main_process", "is_local_main_process",
+                                                                  "is_world_process_zero", "process_index"):
+                asked.append(f"{path.relative_to(REPO_DIR)}:{node.lineno}")
+    assert not asked, asked

@@ -190,7 +190,8 @@ def test_use_flash_attn_means_one_kernel_per_packed_row(family):
     dropout.attention_dropout = 0.1  # computed by neither kernel: the per-example loop stays
     assert settled(["--use_flash_attn", "true"], model_config=dropout, cuda=True, torch_varlen=True).attention == (
         "eager_varlen" if eager else "sdpa_varlen")
-    opt_in = [d.why for d in settled([], model_config=FAMILIES[family](), cuda=True).decisions if d.setting == "attention"]
+    decisions = settled([], model_config=FAMILIES[family](), cuda=True).decisions
+    opt_in = [d.why for d in decisions if d.setting == "attention"]
     assert "opt-in (--use_flash_attn true)" in opt_in[0]
 
 

@@ -218,7 +218,8 @@ def test_router_is_adapted_only_when_asked():
 def test_a_fused_layout_the_recipe_cannot_split_is_refused_with_the_fix():
     model = tiny_moe("mixtral")
     experts = model.model.layers[0].mlp.experts
-    experts.register_parameter("gate_up_proj_bias", torch.nn.Parameter(torch.zeros(4, 256)))  # a layout it does not know
+    # a layout it does not know
+    experts.register_parameter("gate_up_proj_bias", torch.nn.Parameter(torch.zeros(4, 256)))
     with pytest.raises(ValueError, match="lora_target_modules q_proj,k_proj,v_proj,o_proj"):
         moe.split_experts(model)
 
@@ -229,8 +230,9 @@ def moe_dirs(tmp_path_factory, smol_tokenizer):
     dirs = {}
     for family in FAMILIES:
         out = tmp_path_factory.mktemp(family)
-        tiny_moe(family, vocab_size=len(smol_tokenizer), bos_token_id=smol_tokenizer.bos_token_id,
-                 eos_token_id=smol_tokenizer.eos_token_id, pad_token_id=smol_tokenizer.pad_token_id).save_pretrained(out)
+        model = tiny_moe(family, vocab_size=len(smol_tokenizer), bos_token_id=smol_tokenizer.bos_token_id,
+                         eos_token_id=smol_tokenizer.eos_token_id, pad_token_id=smol_tokenizer.pad_token_id)
+        model.save_pretrained(out)
         smol_tokenizer.save_pretrained(out)
         dirs[family] = out
     return dirs

@@ -240,7 +240,8 @@ def test_output_dir_with_another_run_is_kept_unless_asked(tiny_model_dir, chat_d
 
     out = tmp_path / "run"
     train.run(recipe(tiny_model_dir, chat_dir, out, 2))
-    with pytest.raises(SystemExit) as exit_info:  # what `python train.py` exits with (tests/test_errors.py: the command)
+    # what `python train.py` exits with (tests/test_errors.py: the command)
+    with pytest.raises(SystemExit) as exit_info:
         train.run(recipe(tiny_model_dir, chat_dir, out, 2))
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "already holds a run" in err and "--overwrite_output_dir" in err

@@ -55,7 +55,7 @@ def test_lora_trains_only_the_adapter_and_the_saved_adapter_reloads(tiny_model_d
         else:
             assert not param.requires_grad, name
             original = base[name.replace("base_model.model.", "").replace(".base_layer", "")]
-            # compared as bytes: 4-bit weights are packed into a float storage dtype, where NaN patterns never compare equal
+            # compared as bytes: 4-bit weights are packed into a float storage dtype, where NaNs never compare equal
             assert torch.equal(param.detach().cpu().view(torch.uint8), original.detach().cpu().view(torch.uint8)), name
     assert lora_b == 2 * 7  # every LoRA B of the 2 layers x 7 linear modules moved away from zero
 
@@ -76,7 +76,7 @@ def test_torch_compile_compiles_each_decoder_layer_and_trains_as_eager(tiny_mode
     """`--torch_compile` as the recipe sets it up: each decoder layer compiled on its own, the first not compiled again,
     the losses of eager. Through dynamo and AOTAutograd (`--torch_compile_backend aot_eager`): what the recipe decides
     is all there, and inductor's code generation is not, which on a CPU builds C++ that no GPU run uses (the test took
-    81 s with it, 46 s without, on a 2 GHz CPU). bench/benchmark.py runs `--torch_compile` with inductor and times it."""
+    nearly twice as long with it). bench/benchmark.py runs `--torch_compile` with inductor and times it."""
     import torch._dynamo
 
     for name in ("BACKEND", "USE_REGIONAL_COMPILATION", "USE_DYNAMIC"):  # TrainingArguments sets them process-wide
@@ -150,8 +150,9 @@ def tokenizer_without_chatml(tmp_path_factory):
     out = tmp_path_factory.mktemp("bpe-llama")
     tokenizer.save_pretrained(out)
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)).save_pretrained(out)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(out)
     return out
 
 
@@ -209,7 +210,8 @@ def test_shipped_demo_data_is_what_the_generator_makes():
 
     splits = make_splits(n_train=512, n_test=64, seed=0)
     for split, rows in splits.items():
-        shipped = [json.loads(line) for line in (REPO_DIR / "data" / "dates" / f"{split}.jsonl").read_text().splitlines()]
+        lines = (REPO_DIR / "data" / "dates" / f"{split}.jsonl").read_text().splitlines()
+        shipped = [json.loads(line) for line in lines]
         assert shipped == rows
     answers = {split: {r["messages"][1]["content"] for r in rows} for split, rows in splits.items()}
     assert not answers["train"] & answers["test"]  # held-out dates are never trained on
@@ -247,8 +249,9 @@ def write_checkpoint(folder: Path, files: dict[str, bytes]) -> Path:
 
 
 def test_a_checkpoint_damaged_after_its_save_is_skipped_by_latest_and_refused_by_name(tmp_path, capsys):
-    """A file truncated (a failing disk, a partial copy), changed in place, or lost after the marker was written: `latest`
-    falls back to the newest intact checkpoint and says why; preflight, consolidate and merge refuse it by name."""
+    """A file truncated (a failing disk, a partial copy), changed in place, or lost after the marker was written:
+    `latest` falls back to the newest intact checkpoint and says why; preflight, consolidate and merge refuse it by
+    name."""
     import export
     from recipe.engines.checkpoints import damage, resume_point
 

@@ -4,7 +4,8 @@
   adapter config, the tokenizer, and last a `checkpoint_complete` marker. `latest` resumes from the newest
   checkpoint with the marker, so a folder half-written by a kill is never picked up.
 - Rotation (`save_total_limit`) counts complete checkpoints only, never deletes the newest complete one, the best
-  one (`load_best_model_at_end`) nor the one this run resumed from, and clears half-written folders older than the newest complete checkpoint.
+  one (`load_best_model_at_end`) nor the one this run resumed from, and clears half-written folders older than the
+  newest complete checkpoint.
 - SIGTERM (SLURM's warning before a kill) or SIGINT stops training at the end of the current step on every rank,
   saves a checkpoint and exits with 128 + the signal number. A repeated SIGTERM is ignored and no signal interrupts a
   save; a second SIGINT outside a save kills at once.

@@ -18,6 +18,8 @@ FSDP2 and ZeRO-3); `write_adapter` writes the adapter folder from them, or from 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 

@@ -595,7 +595,8 @@ def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: b
         read_only += shapes.layer_expert_linear * weight_bytes
     reader += read_only
     on_gpu = run.device == "cuda"
-    return LoadTerms(n=n, reader=reader, read_only=read_only, adapter=adapter, own_shard=shardable / n if sharded else shardable,
+    return LoadTerms(n=n, reader=reader, read_only=read_only, adapter=adapter,
+                     own_shard=shardable / n if sharded else shardable,
                      quant_state=quant_state,
                      largest=max(embedding, shapes.largest_linear * (0.5 if qlora else weight_bytes)),
                      converted=converted, on_gpu=on_gpu, shards_on_host=not on_gpu or run.offload,
@@ -656,7 +657,8 @@ def fsdp2_load(t: LoadTerms, p: Plan) -> tuple[float, float, float, float | None
         sent = t.n * (t.own_shard + t.tied_slice + t.adapter) + (t.n - 1) * t.quant_state + t.largest
         machine = max(reading, sending, sent)
     else:
-        gpu, rank0, other = t.own_shard + t.quant_state + t.adapter + t.largest + t.tied_slice, t.reader + t.adapter, 0.0
+        gpu = t.own_shard + t.quant_state + t.adapter + t.largest + t.tied_slice
+        rank0, other = t.reader + t.adapter, 0.0
         machine = None
     p.assumptions.append(f"load (FSDP2): {READ_ON_RANK0}; accelerate broadcasts one tensor at a time (the largest: "
                          f"{t.largest / GIB:.2f} GiB) and each rank keeps its 1/{t.n} slice (measured on 2 CPU "

@@ -31,7 +31,8 @@ M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1  # mallopt's parameter numbers (mall
 
 def return_freed_memory(set_by_environment: bool = False) -> bool:
     """Fix glibc's mmap threshold for this process, so host RAM follows what the run holds (False where this is not
-    glibc). `set_by_environment` (Launch.mmap_threshold_set): MALLOC_MMAP_THRESHOLD_, read by glibc at start-up, wins."""
+    glibc). `set_by_environment` (Launch.mmap_threshold_set): MALLOC_MMAP_THRESHOLD_, read by glibc at start-up,
+    wins."""
     import ctypes
     import ctypes.util
 

@@ -13,6 +13,19 @@ import torch
 NATIVE_BF16_SWITCH = "RECIPE_NATIVE_BF16"  # 0: answer as a CPU without native bf16 would (tests, CI); 1: as one with it
 
 
+def describe() -> dict:
+    """This machine in a results file's words: the CPU's name, its cores (those this process may use) and whether it
+    runs bf16 natively."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"cpu": cpu, "cores": cores, "native_bf16": native_bf16_supported()}
+
+
 def native_bf16_supported() -> bool:
     """True where bf16 matmuls run natively: a CUDA GPU with bf16, or a CPU with AVX512-BF16, AMX or Arm BF16.
 

@@ -199,7 +199,8 @@ def launch_environment(launch_args: list[str]) -> dict[str, str]:
     args, defaults, mp_from_config = _validate_launch_command(launch_command_parser().parse_args(launch_args))
     if args.use_deepspeed:  # as accelerate's launch_command does before starting DeepSpeed
         fields = list(defaults.deepspeed_config) if defaults else []
-        args.deepspeed_fields_from_accelerate_config = ",".join(fields + (["mixed_precision"] if mp_from_config else []))
+        fields += ["mixed_precision"] if mp_from_config else []
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
         return prepare_deepspeed_cmd_env(args)[1]
     if args.use_fsdp or args.multi_gpu:
         return prepare_multi_gpu_env(args)

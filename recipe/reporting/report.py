@@ -57,8 +57,8 @@ def plot_history(log_history: list[dict], path: Path) -> Path:
 
     losses = [value for key in ("loss", "eval_loss") for _, value in series(key)]
     log_scale = bool(losses) and min(losses) > 0 and max(losses) / min(losses) > 20  # losses often fall 100-fold
-    panels = [Chart("loss", [("train", series("loss"), "#1f77b4", False), ("eval", series("eval_loss"), "#ff7f0e", True)],
-                    log_scale),
+    panels = [Chart("loss", [("train", series("loss"), "#1f77b4", False),
+                             ("eval", series("eval_loss"), "#ff7f0e", True)], log_scale),
               Chart("learning rate", [("", series("learning_rate"), "#1f77b4", False)], False)]
     width, height = 1000, 360
     body = "".join(chart.svg(x=i * width / 2, width=width / 2, height=height) for i, chart in enumerate(panels))

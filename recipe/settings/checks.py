@@ -159,7 +159,8 @@ def liger_kernels(s: Configuration) -> Problem | None:
         return Problem("error", "--use_liger_kernels without a CUDA GPU", "Liger's kernels are Triton kernels for CUDA",
                        "drop the flag")
     if not s.facts.liger:
-        return Problem("error", "--use_liger_kernels but liger-kernel is not installed", "the kernels would fail to load",
+        return Problem("error", "--use_liger_kernels but liger-kernel is not installed",
+                       "the kernels would fail to load",
                        "`pip install -r requirements-gpu.txt` (liger-kernel), or drop the flag")
     from recipe.model.fast_paths import liger_families
 
@@ -192,7 +193,8 @@ def fp16_without_gpu(s: Configuration) -> Problem | None:
 
 
 def quant_storage_dtype(s: Configuration) -> Problem | None:
-    """FSDP and ZeRO-3 flatten a unit into one tensor: the packed 4-bit weights must share the float dtype of the rest."""
+    """FSDP and ZeRO-3 flatten a unit into one tensor: the packed 4-bit weights must share the float dtype of the
+    rest."""
     if not (s.quantized_4bit and s.launch.sharded):
         return None
     storage = s.model.bnb_4bit_quant_storage_dtype
@@ -231,7 +233,8 @@ def fsdp2_mixed_precision_casts_4bit(s: Configuration) -> Problem | None:
 def eight_bit_with_fsdp(s: Configuration) -> Problem | None:
     if s.model.use_8bit_quantization and s.launch.fsdp:
         return Problem("error", "8-bit quantization with FSDP", "FSDP cannot shard int8 weights ('Integer "
-                       "parameters are unsupported')", "use --use_4bit_quantization with bfloat16 storage, or DeepSpeed")
+                       "parameters are unsupported')",
+                       "use --use_4bit_quantization with bfloat16 storage, or DeepSpeed")
     return None
 
 
@@ -281,8 +284,8 @@ def compile_with_fsdp1(s: Configuration) -> Problem | None:
 def two_activation_checkpointings(s: Configuration) -> Problem | None:
     if s.launch.fsdp and s.launch.fsdp_setting("ACTIVATION_CHECKPOINTING") and s.training.activation_checkpointing:
         return Problem("error", "FSDP activation checkpointing and --activation_checkpointing together",
-                       "the Trainer refuses both", "fsdp_activation_checkpointing: false, or --activation_checkpointing "
-                       "false")
+                       "the Trainer refuses both",
+                       "fsdp_activation_checkpointing: false, or --activation_checkpointing false")
     return None
 
 
@@ -491,7 +494,8 @@ def host_ram_by_phase(s: Configuration) -> Problem | None:
 
 RULES: list[Callable[[Configuration], Problem | None]] = [
     model_source, tokenizer_builds, dataset_source, mxfp4_checkpoint, flash_attention, liger_kernels, bf16_support,
-    fp16_without_gpu, quant_storage_dtype, fsdp2_mixed_precision_casts_4bit, eight_bit_with_fsdp, bnb_optimizer_with_fsdp,
+    fp16_without_gpu, quant_storage_dtype, fsdp2_mixed_precision_casts_4bit, eight_bit_with_fsdp,
+    bnb_optimizer_with_fsdp,
     qlora_fsdp_loading, ram_efficient_without_sync, compile_with_fsdp1, two_activation_checkpointings,
     fsdp1_reshard_after_forward_ignored, fsdp1_on_one_process, deepspeed_set_twice, zero3_non_reentrant,
     single_process_generation, evaluation_without_split, added_tokens_under_fsdp, no_layer_class_to_wrap,

@@ -53,9 +53,9 @@ class Facts:
     # this machine's hardware are skipped, and the launch's GPUs are assumed to have CUDA and native bf16.
     here: bool = True
     cuda: bool = False  # the run's GPUs have CUDA
-    native_bf16: bool = False  # bf16 matmuls run natively (hardware.native_bf16_supported; RECIPE_NATIVE_BF16 overrides)
+    native_bf16: bool = False  # bf16 matmuls run natively (hardware.native_bf16_supported)
     flash_attn: bool = False  # the flash-attn package is installed
-    torch_varlen: bool = False  # the running torch ships FlashAttention-2's varlen kernel (fast_paths.torch_varlen_attn)
+    torch_varlen: bool = False  # torch ships FlashAttention-2's varlen kernel (fast_paths.torch_varlen_attn)
     torch_varlen_windows: bool = False  # ... with sliding windows (torch 2.13's does)
     liger: bool = False  # the liger-kernel package is installed
     gpu_gib: float | None = None  # memory of each GPU: this machine's, or --gpu_gib
@@ -566,8 +566,9 @@ def decide_mixture_of_experts(config: Configuration) -> None:
     load-balancing loss where the model's config weights it (TRL adds it and logs it as aux_loss)."""
     text = config.facts.model_config.get_text_config()
     config.decisions.append(Decision("experts", "one linear module per expert matrix" + (
-        ", 4-bit" if config.quantized_4bit else ""), "transformers 5 fuses them into 3-D parameters, which bitsandbytes "
-        "would leave in 16 bits and all-linear would skip (moe.py)"))
+        ", 4-bit" if config.quantized_4bit else ""),
+        "transformers 5 fuses them into 3-D parameters, which bitsandbytes would leave in 16 bits and all-linear would "
+        "skip (moe.py)"))
     if config.uses_peft:
         config.decisions.append(Decision("router", "adapted" if config.model.lora_router else "not adapted",
             "--lora_router true" if config.model.lora_router else "a LoRA on the router changes which experts each "
