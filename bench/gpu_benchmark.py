@@ -82,9 +82,9 @@ def recipe_tokenizer_dir() -> Path:
 
 def shape_values(shape: str) -> dict:
     """The config values of a named shape: memory.py's preset, with what a checkpoint needs beyond it."""
-    from recipe.planning.memory import PRESETS
+    from recipe.planning.memory import PRESETS, preset_shape
 
-    return {**PRESETS.get(shape, {}), **SHAPES[shape]}
+    return {**(preset_shape(shape) if shape in PRESETS else {}), **SHAPES[shape]}
 
 
 def checkpoint_config(values: dict, tokenizer, **extra):

@@ -85,7 +85,8 @@ def main() -> None:
             argv += ["--use_4bit_quantization", "true"]
         marks = measure(argv)
         run = Run(method=method, engine="none", device="cpu", batch=8, seq=marks["max_tokens"], checkpointing=False,
-                  lora_r=16, lora_dropout=0.05, precision=precision, nested_quant=False)
+                  lora_r=16, lora_dropout=0.05, load_dtype="bfloat16" if precision == "bf16" else "float32",
+                  nested_quant=False)
         predicted = plan(Shapes.of(load_config(str(model))), run).host
         measured = {"process": marks["base"] / GIB, "weights": (marks["after_model"] - marks["base"]) / GIB,
                     "training": (marks["peak"] - marks["after_model"]) / GIB}

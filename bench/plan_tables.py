@@ -42,10 +42,7 @@ LAUNCHERS = {
     "run_peft_qlora_deepspeed.sh": ("2 GPUs, 48 GB+", 48, "none"),
 }
 # meta-llama/Llama-2-70b-hf's config.json, as published (the launchers' default model)
-LLAMA_2_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
-               "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-               "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
-               "tie_word_embeddings": False, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
+LLAMA_2_70B = REPO / "configs" / "models" / "Llama-2-70b-hf"  # the launchers' model, as published
 RECORDER = ("#!/usr/bin/env python3\nimport json, os, sys\n"
             "open(os.environ['ARGV_LOG'], 'w').write(json.dumps(sys.argv[1:]))\n")
 PHASES = ("load", "train", "save")
@@ -166,12 +163,8 @@ def gpt_oss_one_gpu() -> str:
 
 
 def blocks() -> dict[str, str]:
-    with tempfile.TemporaryDirectory() as folder:
-        model_dir = Path(folder) / "Llama-2-70b-hf"
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(LLAMA_2_70B))
-        return {"models": models_table(), "launchers": launchers_table(model_dir),
-                "qlora-64gb": qlora_64gb(model_dir), "gpt-oss-one-gpu": gpt_oss_one_gpu()}
+    return {"models": models_table(), "launchers": launchers_table(LLAMA_2_70B), "qlora-64gb": qlora_64gb(LLAMA_2_70B),
+            "gpt-oss-one-gpu": gpt_oss_one_gpu()}
 
 
 def marked(name: str, tool: str = "plan_tables.py") -> re.Pattern:

@@ -156,8 +156,30 @@ def probe_logits(model, tokenizer):
         return model.eval()(**tokenizer([PROBE], return_tensors="pt")).logits.float()
 
 
-def losses(log_history) -> list[float]:
-    return [entry["loss"] for entry in log_history if "loss" in entry]
+def tiny_llama_config(tokenizer, **overrides):
+    """The tests' Llama: 2 layers of 64, grouped attention, the tokenizer's vocabulary and special tokens, tied
+    embeddings; `overrides` change any of it."""
+    from transformers import LlamaConfig
+
+    values = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    return LlamaConfig(**{**values, **overrides})
+
+
+def losses(log_history, with_grad_norm: bool = False) -> list:
+    """Each logged step's training loss (with its grad norm: pairs) from a Trainer's log history."""
+    return [(entry["loss"], entry["grad_norm"]) if with_grad_norm else entry["loss"]
+            for entry in log_history if "loss" in entry]
+
+
+def losses_by_step(out_dir) -> dict[int, float]:
+    """A finished run's training losses by step, from the run_summary.json in its output folder."""
+    import json
+
+    history = json.loads((Path(out_dir) / "run_summary.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
 
 
 def pytest_collection_modifyitems(items):
@@ -222,14 +244,11 @@ def smol_tokenizer(smol_dir):
 def tiny_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
     """A 2-layer Llama with SmolLM2's vocabulary and tokenizer, randomly initialised: trains in seconds."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=smol_tokenizer.bos_token_id, eos_token_id=smol_tokenizer.eos_token_id,
-                         pad_token_id=smol_tokenizer.pad_token_id, tie_word_embeddings=True,
-                         initializer_range=0.2)  # wider than 0.02, so logits are not flat and LoRA moves the loss fast
+    # initializer_range wider than 0.02, so logits are not flat and LoRA moves the loss fast
+    config = tiny_llama_config(smol_tokenizer, initializer_range=0.2)
     out = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(out)
     smol_tokenizer.save_pretrained(out)
@@ -241,13 +260,11 @@ def wide_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
     """A 2-layer Llama whose weights are mostly its 512-wide embedding (0.1 GiB in fp32): big enough for memory to be
     measured above the runtime's noise, small enough to step in a second."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                         bos_token_id=smol_tokenizer.bos_token_id, eos_token_id=smol_tokenizer.eos_token_id,
-                         pad_token_id=smol_tokenizer.pad_token_id, tie_word_embeddings=True)
+    config = tiny_llama_config(smol_tokenizer, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                               num_key_value_heads=4)
     out = tmp_path_factory.mktemp("wide-llama")
     LlamaForCausalLM(config).save_pretrained(out)
     smol_tokenizer.save_pretrained(out)

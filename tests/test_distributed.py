@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import PROBE, base_model, launch_two_processes, tiny_run_args
+from conftest import PROBE, base_model, launch_two_processes, losses, tiny_run_args
 from peft import PeftModel
 from safetensors.torch import load_file
 
@@ -46,10 +46,6 @@ def recipe_args(model_dir, data_dir, out, batch_size, quantized, checkpoint=Fals
                            if quantized else []))
 
 
-def losses(history):
-    return [(entry["loss"], entry["grad_norm"]) for entry in history if "loss" in entry]
-
-
 _single_runs = {}
 
 
@@ -57,8 +53,8 @@ def one_process_run(model_dir, data_dir, out, quantized):
     """The same run on one process with the whole global batch (once per test worker and method)."""
     if quantized not in _single_runs:
         trainer, _ = train.run(recipe_args(model_dir, data_dir, out, 4, quantized))
-        _single_runs[quantized] = (losses(trainer.state.log_history), load_file(out / "adapter_model.safetensors"),
-                                   trainer.processing_class)
+        _single_runs[quantized] = (losses(trainer.state.log_history, with_grad_norm=True),
+                                   load_file(out / "adapter_model.safetensors"), trainer.processing_class)
     return _single_runs[quantized]
 
 
@@ -101,7 +97,7 @@ def test_two_processes_match_one_process_and_load_and_save_as_planned(wide_model
         assert ranks[1]["live_tensor_bytes"] <= 1.01 * ranks[0]["live_tensor_bytes"]
     one_losses, one_adapter, tokenizer = one_process_run(wide_model_dir, chat_dir, tmp_path_factory.mktemp("one"),
                                                          quantized)
-    two = losses(ranks[0]["log_history"])
+    two = losses(ranks[0]["log_history"], with_grad_norm=True)
     assert len(two) == len(one_losses) == 3
     # gloo has been reported to sum FSDP2 gradients instead of averaging them: the grad norm would double
     tolerance = dict(rtol=1e-2, atol=0) if quantized else dict(rtol=1e-5, atol=0)  # 4-bit: bf16-stored weights
@@ -172,8 +168,8 @@ def assert_phases_as_planned(by_rank: list[dict], model_dir, quantized: bool, en
     larger models, where tests/test_memory_at_scale.py holds each phase to 10%)."""
     # As configuration.planned_run describes these runs: fp32 LoRA, or 4-bit with the rest in the bf16 storage dtype
     run = Run(method="qlora" if quantized else "lora", engine=engine, gpus=2, device="cpu",
-              precision="bf16" if quantized else "fp32", checkpoint_dtype="float32", batch=1, seq=512, lora_r=16,
-              nested_quant=False, optimizer="sgd", fsdp_version=fsdp_version, weights_from_rank0=True)
+              load_dtype="bfloat16" if quantized else "float32", checkpoint_dtype="float32", batch=1, seq=512,
+              lora_r=16, nested_quant=False, optimizer="sgd", fsdp_version=fsdp_version, weights_from_rank0=True)
     shapes = Shapes.of(load_config(str(model_dir)))
     planned = plan(shapes, run)
     model_gib = plan(shapes, replace(run, engine="none", gpus=1)).host["weights (frozen)"]  # the base, loaded

@@ -376,7 +376,8 @@ def test_each_layer_keeps_what_the_plan_counts(family, method, precision, dropou
     measured = (saved_bytes_of_layers(family, 2, method, precision, dropout, examples) -
                 saved_bytes_of_layers(family, 1, method, precision, dropout, examples))
     shapes = Shapes.of(probe_config(family, 1))
-    run = Run(method=method, precision=precision, lora_dropout=dropout, device="cpu")
+    run = Run(method=method, load_dtype={"bf16": "bfloat16", "fp32": "float32"}[precision], lora_dropout=dropout,
+              device="cpu")
     planned = tokens * layer_activation_bytes(shapes, run)
     if attention_for(probe_config(family, 1))[0] == EAGER_ATTENTION:
         planned += examples * shapes.heads * length ** 2 * eager_score_bytes(shapes, run)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import transformers
-from conftest import tiny_run_args
+from conftest import losses, tiny_run_args
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from recipe.model import moe
@@ -250,8 +250,8 @@ def test_each_family_trains_in_one_process(family, method, moe_dirs, chat_dir, t
     assert "LoRA adapts: " in printed and f"{EXPERT_NAMES[family][0]} x {2 * EXPERTS[family]}" in printed
     assert "router = not adapted" in printed and "load-balancing loss = coefficient" in printed
     summary = json.loads((out / "run_summary.json").read_text())
-    losses = [entry["loss"] for entry in summary["log_history"] if "loss" in entry]
-    assert len(losses) == 3 and all(loss == loss for loss in losses)
+    logged = losses(summary["log_history"])
+    assert len(logged) == 3 and all(loss == loss for loss in logged)
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert set(EXPERT_NAMES[family]) <= set(adapter["target_modules"])
     assert any("aux_loss" in entry for entry in summary["log_history"])  # TRL adds and logs the router's loss
@@ -300,7 +300,7 @@ def test_two_processes_equal_one_process(case, moe_dirs, mixtral32_dir, chat_dir
     process on the same global batch, the decoder layers (experts included) sharded, and every rank holding one
     process's 4-bit expert payloads bit for bit."""
     from conftest import base_model, launch_two_processes
-    from test_distributed import WORKER, losses, recipe_args
+    from test_distributed import WORKER, recipe_args
 
     import train
 
@@ -334,7 +334,8 @@ def test_two_processes_equal_one_process(case, moe_dirs, mixtral32_dir, chat_dir
     # norm of a 4-bit run on one process is bf16 (TRL keeps a quantized model's adapter in bf16: each of its 400
     # tensors' norms is rounded to 8 bits before they are combined), DeepSpeed's is fp32: 1.6% apart in step 3 on an
     # AVX2 CPU, within 1% on an AVX512-BF16 one (measured with 64 experts, 784 tensors)
-    two, one = torch.tensor(losses(ranks[0]["log_history"])), torch.tensor(losses(trainer.state.log_history))
+    two = torch.tensor(losses(ranks[0]["log_history"], with_grad_norm=True))
+    one = torch.tensor(losses(trainer.state.log_history, with_grad_norm=True))
     torch.testing.assert_close(two[:, 0], one[:, 0], rtol=1e-2 if quantized else 1e-5, atol=0)
     torch.testing.assert_close(two[:, 1], one[:, 1], rtol=3e-2 if quantized else 1e-5, atol=0)
 

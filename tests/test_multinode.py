@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import end_together, free_port, machine_launch, node_launch, signal_tree, tiny_run_args
+from conftest import end_together, free_port, losses_by_step, machine_launch, node_launch, signal_tree, tiny_run_args
 from safetensors.torch import load_file
-from test_reliability import losses, recipe, straight_run
+from test_reliability import recipe, straight_run
 
 from recipe.engines.checkpoints import COMPLETE, checkpoints, latest_complete
 from recipe.platform.launch import machine_settings, node_problems
@@ -234,7 +234,7 @@ def test_a_killed_machine_stops_the_other_and_a_preempted_one_stops_both_then_tw
     codes = end_together([machine.process for machine in machines], timeout=300)
     assert codes == [0, 0], [machine.output[-3000:] for machine in machines]
     assert f"resuming from {out / f'checkpoint-{step}'}" in machines[0].output
-    straight, final = losses(straight_out), losses(out)
+    straight, final = losses_by_step(straight_out), losses_by_step(out)
     after = [s for s in straight if s > step]
     assert after and all(abs(final[s] - straight[s]) <= 1e-5 * abs(straight[s]) for s in after), (straight, final)
     a, b = load_file(straight_out / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")

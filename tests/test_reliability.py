@@ -2,7 +2,6 @@
 preemption by SIGTERM / SIGINT, rotation, unwritable output, and tokens kept out of every file."""
 
 import errno
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import signal_tree, tiny_run_args
+from conftest import losses_by_step, signal_tree, tiny_run_args
 from safetensors.torch import load_file
 
 from recipe.engines.checkpoints import COMPLETE, checkpoints, latest_complete, rotate
@@ -39,11 +38,6 @@ def wait_for(predicate, process, timeout=300):
         assert process.poll() is None, process.stdout.read()[-3000:]
         time.sleep(0.02)
     raise AssertionError("timed out")
-
-
-def losses(out: Path) -> dict[int, float]:
-    history = json.loads((out / "run_summary.json").read_text())["log_history"]
-    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
 
 
 def finish(argv, launcher=()):
@@ -118,7 +112,7 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(tiny_model_dir, chat_
         output = "".join(capsys.readouterr())
     assert f"skipping {damaged}, damaged after it was written: {weights} has" in output
     assert f"resuming from {out / f'checkpoint-{max(completed)}'}" in output
-    straight, resumed = losses(straight_out), losses(out)
+    straight, resumed = losses_by_step(straight_out), losses_by_step(out)
     after = [step for step in straight if step > max(completed)]
     assert after and all(abs(resumed[s] - straight[s]) <= 1e-5 * abs(straight[s]) for s in after), (straight, resumed)
     a, b = load_file(straight_out / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
@@ -321,7 +315,7 @@ def test_a_real_full_disk_during_a_save_keeps_the_last_checkpoint_and_resumes(ti
     ballast.unlink()  # space freed: the run continues where the last complete checkpoint left it
     output = finish(recipe(tiny_model_dir, chat_dir, out, 8, "--resume_from_checkpoint", "latest"))
     assert f"resuming from {out / 'checkpoint-2'}" in output
-    assert max(losses(out)) == 8 and (out / "checkpoint-8" / COMPLETE).is_file()
+    assert max(losses_by_step(out)) == 8 and (out / "checkpoint-8" / COMPLETE).is_file()
 
 
 def test_a_full_disk_is_recognised_whichever_library_hits_it(small_filesystem):

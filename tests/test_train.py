@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import base_model, losses, probe_logits, settled, tiny_run_args
+from conftest import base_model, losses, probe_logits, settled, tiny_llama_config, tiny_run_args
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
@@ -138,7 +138,7 @@ def test_compiling_repays_when_the_steps_left_save_more_than_twice_its_cost():
 def tokenizer_without_chatml(tmp_path_factory):
     """A byte-level BPE tokenizer with only <s>, </s>, <unk>: the chatml template must add its two tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     texts = [json.dumps(row) for row in ({"q": f"date {i}", "a": f"{2000 + i}-01-0{i % 9 + 1}"} for i in range(200))]
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -150,8 +150,8 @@ def tokenizer_without_chatml(tmp_path_factory):
     out = tmp_path_factory.mktemp("bpe-llama")
     tokenizer.save_pretrained(out)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    config = tiny_llama_config(tokenizer, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
 

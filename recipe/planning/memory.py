@@ -21,27 +21,34 @@ from typing import NamedTuple
 import torch
 
 GIB = 2**30
-# Common model shapes, so a plan needs no download (values from the models' published config.json files).
-PRESETS = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
-    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000),
-    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                        num_key_value_heads=40, vocab_size=32000),
-    "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, vocab_size=32000),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256),
-    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, vocab_size=128256),
-    "mistral-7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=32000),
-}
+# Short names for the published config.json files in configs/models/ (the one place the recipe keeps model shapes), so
+# a plan needs no download; any folder name there works too.
+PRESETS = {"smollm2-135m": "SmolLM2-135M-Instruct", "llama-2-7b": "Llama-2-7b-hf", "llama-2-13b": "Llama-2-13b-hf",
+           "llama-2-70b": "Llama-2-70b-hf", "llama-3-8b": "Meta-Llama-3-8B", "llama-3-70b": "Meta-Llama-3-70B",
+           "mistral-7b": "Mistral-7B-v0.1"}
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size")
+
+
+def preset_folder(name: str) -> Path | None:
+    """configs/models/<folder> for a preset's short name or a folder name there; None for anything else."""
+    from recipe.model.model_files import REPO_DIR
+
+    folder = REPO_DIR / "configs" / "models" / PRESETS.get(name, name)
+    return folder if "/" not in name and (folder / "config.json").is_file() else None
+
+
+def preset_shape(name: str) -> dict:
+    """A preset's layer shapes (SHAPE_KEYS), from its config.json."""
+    values = json.loads((preset_folder(name) / "config.json").read_text())
+    return {key: values[key] for key in SHAPE_KEYS}
+
+
 # Bytes per weight of a 4-bit bitsandbytes linear layer: 4 bits, plus an fp32 absmax per block of 64 weights, or an
 # 8-bit absmax with a second-level fp32 constant per 256 blocks when the constants are quantized too (nested).
-NF4_BYTES = 0.5 + 4 / 64
-NF4_NESTED_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+NF4_PACKED_BYTES = 0.5  # the packed 4 bits alone: what the weight's tensor holds, its block constants apart
+NF4_BYTES = NF4_PACKED_BYTES + 4 / 64
+NF4_NESTED_BYTES = NF4_PACKED_BYTES + 1 / 64 + 4 / (64 * 256)
 # Bytes of optimizer state per trainable parameter, beyond the parameter itself.
 OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd": 0}
 
@@ -65,11 +72,11 @@ def meta_model(config):
 
 
 def load_config(model: str):
-    """A preset name, a config.json, or a model folder / cached Hub id."""
-    from transformers import AutoConfig, LlamaConfig
+    """A preset name (PRESETS, or a folder of configs/models/), a config.json, or a model folder / cached Hub id."""
+    from transformers import AutoConfig
 
-    if model in PRESETS:
-        return LlamaConfig(**PRESETS[model])
+    if (folder := preset_folder(model)) is not None:
+        return AutoConfig.from_pretrained(folder)
     if model.endswith(".json"):
         values = json.loads(Path(model).read_text())
         return AutoConfig.for_model(values.pop("model_type"), **values)
@@ -209,7 +216,7 @@ class Run:
     lora_dropout: float = 0.05
     nested_quant: bool = True
     device: str = "cuda"  # cuda | cpu (a CPU run: everything lands in host RAM)
-    precision: str = "bf16"  # bf16 | fp32: the dtype the (non-quantized) weights are loaded in
+    load_dtype: str = "bfloat16"  # bfloat16 | float16 | float32: the weights' dtype as loaded (4-bit: its storage)
     fsdp_version: int = 2
     weights_from_rank0: bool = True  # FSDP fsdp_cpu_ram_efficient_loading: rank 0 reads, the other ranks receive
     checkpoint_dtype: str = "bfloat16"  # of the checkpoint files (config.json's dtype)
@@ -218,8 +225,8 @@ class Run:
 
     @property
     def value_bytes(self) -> int:
-        """Bytes per weight as loaded (bf16, or the bf16 4-bit storage, or fp32), and per activation value."""
-        return 2 if self.precision == "bf16" else 4
+        """Bytes per weight as loaded (16-bit, or the 4-bit weights' storage, or fp32), and per activation value."""
+        return getattr(torch, self.load_dtype).itemsize
 
     @property
     def nf4_bytes(self) -> float:
@@ -309,7 +316,7 @@ def training_state(shapes: Shapes, run: Run, p: Plan) -> TrainingState:
                              "the rest bf16")
     else:
         weights = shapes.total * weight_bytes
-        p.assumptions.append(f"weights in {run.precision}")
+        p.assumptions.append(f"weights in {run.load_dtype}")
     if shapes.experts:
         p.assumptions.append(f"mixture of experts: {shapes.experts} experts per layer, each token routed to "
                              f"{shapes.experts_per_token}: weights and adapters count every expert, activations the "
@@ -580,11 +587,10 @@ def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: b
     n = max(run.gpus, 1)
     weight_bytes, quant = run.value_bytes, run.nf4_bytes
     qlora = run.method == "qlora"
-    quant_state = shapes.linear * (quant - 0.5) if qlora else 0
+    quant_state = shapes.linear * (quant - NF4_PACKED_BYTES) if qlora else 0
     shardable = base - quant_state
     embedding = shapes.vocab * shapes.hidden * weight_bytes
-    load_dtype = "bfloat16" if run.precision == "bf16" else "float32"
-    converted = qlora or run.checkpoint_dtype != load_dtype  # else the weights alias the memory-mapped file
+    converted = qlora or run.checkpoint_dtype != run.load_dtype  # else the weights alias the memory-mapped file
     reader = base if converted else 0.0
     checkpoint_bytes = getattr(torch, run.checkpoint_dtype).itemsize
     read_only = 0.0
@@ -598,7 +604,7 @@ def load_terms(shapes: Shapes, run: Run, base: float, adapter: float, sharded: b
     return LoadTerms(n=n, reader=reader, read_only=read_only, adapter=adapter,
                      own_shard=shardable / n if sharded else shardable,
                      quant_state=quant_state,
-                     largest=max(embedding, shapes.largest_linear * (0.5 if qlora else weight_bytes)),
+                     largest=max(embedding, shapes.largest_linear * (NF4_PACKED_BYTES if qlora else weight_bytes)),
                      converted=converted, on_gpu=on_gpu, shards_on_host=not on_gpu or run.offload,
                      checkpoint_bytes=checkpoint_bytes,
                      unit=max(shapes.largest_layer * (quant if qlora else weight_bytes),
@@ -776,7 +782,8 @@ def format_plan(run: Run, p: Plan, gpu_gib: float | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}), a config.json or a model")
+    parser.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}, or a folder of "
+                        "configs/models/), a config.json or a model")
     defaults = Run()
     for name, value in asdict(defaults).items():
         if name == "eager_attention":  # the model's family decides it, as in a run

@@ -600,7 +600,7 @@ def planned_run(config: Configuration):
                optimizer="sgd" if optim == "sgd" else "adamw_8bit" if "8bit" in optim else "adamw",
                lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout,
                nested_quant=config.model.use_nested_quant, device="cuda" if config.facts.cuda else "cpu",
-               precision="bf16" if config.dtype.itemsize == 2 else "fp32",  # the load dtype (4-bit: its storage)
+               load_dtype=str(config.dtype).removeprefix("torch."),
                fsdp_version=launch.fsdp_version, weights_from_rank0=config.weights_from_rank0,
                checkpoint_dtype=checkpoint_dtype(config.facts.model_config),
                eager_attention=config.attention == EAGER_ATTENTION)
