@@ -262,6 +262,19 @@ WRAP_RUNTIME_GIB = 0.02  # PEFT wrapping and building the Trainer before trainin
 ALLOCATOR_HEADROOM = 1.25  # reserved / allocated of PyTorch's caching allocator on long runs: 1.1-1.4 is typical
 
 
+def needed_gib(p: Plan, cuda: bool) -> float:
+    """What a plan needs of what the run has: each GPU's memory with the allocator's headroom, or the host's RAM."""
+    return p.per_gpu_total * ALLOCATOR_HEADROOM if cuda else p.host_total
+
+
+def gpu_verdict(p: Plan, gpu_gib: float) -> str:
+    """The one fit verdict on a GPU: "fits" with the allocator's headroom, "tight" only without it, else "does not
+    fit"."""
+    if needed_gib(p, cuda=True) <= gpu_gib:
+        return "fits"
+    return "tight" if p.per_gpu_total <= gpu_gib else "does not fit"
+
+
 # The loss of TRL 1.16's SFTTrainer (trl/trainer/utils.py add_fused_lm_head, trl/kernels/chunked_logprob.py
 # ChunkedLogProbFunction): the head projects only the labelled positions (on Triton devices; on CPU too through
 # fast_paths.score_labelled_positions_only), [TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE] at a time into one
@@ -763,8 +776,7 @@ def format_plan(run: Run, p: Plan, gpu_gib: float | None = None) -> str:
         lines.append(f"  {'total allocated':22s} {total:8.2f} GiB   (reserved by the allocator: about "
                      f"{total * ALLOCATOR_HEADROOM:.1f} GiB)")
         if gpu_gib:
-            verdict = "fits" if total * ALLOCATOR_HEADROOM <= gpu_gib else (
-                "tight" if total <= gpu_gib else "does NOT fit")
+            verdict = gpu_verdict(p, gpu_gib)
             lines.append(f"  {verdict} in {gpu_gib:g} GiB")
     lines.append("host RAM:")
     lines += [f"  {name:22s} {gib:8.2f} GiB" for name, gib in p.host.items() if gib]

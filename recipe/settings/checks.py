@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipe.settings.configuration import Configuration, memory_plan, planned_need
+from recipe.settings.configuration import Configuration, memory_plan
 from recipe.model.fast_paths import KERNEL_ATTENTION, torch_varlen_attn
 from recipe.engines.checkpoints import COMPLETE, damage, latest_intact
 from recipe.model.model_files import DEFAULT_MODEL_DIR, gguf_source, pickled_weights, safetensors_conversion
+from recipe.planning.memory import gpu_verdict, needed_gib
 
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
@@ -470,12 +471,13 @@ def timeout_shorter_than_the_load(s: Configuration) -> Problem | None:
 def memory_fit(s: Configuration) -> Problem | None:
     if not (s.facts.gpu_gib and s.facts.model_config is not None and s.facts.cuda):
         return None
-    needed, gpu_gib = planned_need(s), s.facts.gpu_gib
-    if needed <= gpu_gib:
+    plan, gpu_gib = memory_plan(s), s.facts.gpu_gib
+    verdict = gpu_verdict(plan, gpu_gib)
+    if verdict == "fits":
         return None
-    return Problem("warning", f"the memory plan needs about {needed:.1f} GiB per GPU with allocator headroom, the "
-                   f"GPUs have {gpu_gib:.0f} GiB", "the run would likely go out of "
-                   "memory", "lower --per_device_train_batch_size or --max_length, turn on "
+    return Problem("warning", f"the memory plan {'is tight' if verdict == 'tight' else verdict}: it needs about "
+                   f"{needed_gib(plan, cuda=True):.1f} GiB per GPU with allocator headroom, the GPUs have "
+                   f"{gpu_gib:.0f} GiB", "the run would likely go out of memory", "lower --per_device_train_batch_size or --max_length, turn on "
                    "--activation_checkpointing, add GPUs, or offload (see `python memory.py --help`)")
 
 

@@ -634,10 +634,9 @@ def memory_plan(config: Configuration, **changes):
 
 def planned_need(config: Configuration, **changes) -> float:
     """GiB the plan needs of what the run has: each GPU's with the allocator's headroom, or this host's RAM on CPU."""
-    from recipe.planning.memory import ALLOCATOR_HEADROOM
+    from recipe.planning.memory import needed_gib
 
-    plan = memory_plan(config, **changes)
-    return plan.per_gpu_total * ALLOCATOR_HEADROOM if config.facts.cuda else plan.host_total
+    return needed_gib(memory_plan(config, **changes), config.facts.cuda)
 
 
 def decide_micro_batch(config: Configuration) -> None:
