@@ -346,7 +346,7 @@ def build_trainer(config: Configuration, model, data: TrainingData):
         peft_config=build_peft_config(config.model, config.facts.added_token_ids, model),
         callbacks=callbacks,
     )
-    if config.adapter_dtype is not None:  # TRL cast them to bf16 (configuration.decide_adapter_dtype)
+    if config.adapter_dtype is not None:  # TRL cast them to bf16 (configuration.adapter_dtype)
         for param in trainer.model.parameters():
             if param.requires_grad:
                 param.data = param.data.to(config.adapter_dtype)
@@ -438,7 +438,7 @@ def write_report(config: Configuration, trainer, summary: dict) -> None:
                  "base_model": config.base_model_id or config.model.model_name_or_path}
     hardware = f"{config.launch.num_processes} x " + (torch.cuda.get_device_name(0) if config.facts.gpu_here else "CPU")
     write_run_report(config.training.output_dir, arguments, summary, trainer.state.log_history, hardware,
-                     [asdict(decision) for decision in config.decisions])
+                     [decision.said() for decision in config.decisions])
     if config.publish_to:
         url = publish(Path(config.training.output_dir), config.publish_to, config.training.hub_private_repo,
                       token=config.hub_token)

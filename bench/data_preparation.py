@@ -5,7 +5,7 @@ process group exists and before the first collective (the weights' broadcast fro
 while it tokenizes; at the first collective a rank waits only for the slowest one, so the collective timeout
 (--ddp_timeout) must cover the ranks' difference, not the whole preparation. The other choice, rank 0 first and the
 others reading its cache, would make every other rank wait in a barrier for all of it. Each rank tokenizes with the
-cores it has (configuration.decide_data_processes: the machine's cores over its ranks, or --dataset_num_proc).
+cores it has (configuration.data_processes: the machine's cores over its ranks, or --dataset_num_proc).
 
 This writes N chat conversations shaped like ultrachat's (3 user/assistant turns, about 1,360 tokens each in all:
 random words, so the tokenizer does the work of real text), then times `prepare` with the SmolLM2 tokenizer: one rank

@@ -254,3 +254,71 @@ def test_the_load_probes_measure_this_machine(tmp_path):
     weights.write_bytes(bytes(8 * 2**20))
     assert cold_read_gib_per_s([weights]) > 0 and cold_read_gib_per_s([tmp_path / "absent"]) is None
     assert quantize_gib_per_s() > 0
+
+
+def _fsdp(version: str, **more) -> Launch:
+    return Launch({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": version, **more}, 2)
+
+
+ABSENT = "no decision"
+LLAMA_7B = load_config("llama-2-7b")
+QLORA_ARGS = ["--use_4bit_quantization", "true"]
+# Each rule of configuration.SETTLING: the setting it decides, then a setup (argv, launch, facts) where it decides one
+# value and one where it decides another or nothing (ABSENT).
+SETTLING_CASES = [
+    ("base_model_id", "base model recorded as",
+     ([], None, {}), "HuggingFaceTB/SmolLM2-135M-Instruct", (["--model_name_or_path", "org/model"], None, {}), ABSENT),
+    ("attention", "attention",
+     (["--use_flash_attn", "true"], None, {"cuda": True}), "kernel_varlen", ([], None, {"cuda": True}), "sdpa_varlen"),
+    ("micro_batch", "per_device_train_batch_size",  # of the 8 examples a step, 4 at a time fit 80 GiB unchecked
+     ([], None, {"cuda": True, "here": False, "gpu_gib": 80, "model_config": LLAMA_7B}), 4,
+     (["--per_device_train_batch_size", "2"], None, {"cuda": True, "here": False, "gpu_gib": 80,
+                                                     "model_config": LLAMA_7B}), ABSENT),
+    ("activation_checkpointing", "activation_checkpointing",
+     ([], None, {"cuda": True, "here": False, "gpu_gib": 16, "model_config": LLAMA_7B}), True,
+     ([], None, {"cuda": True, "here": False, "gpu_gib": 80, "model_config": LLAMA_7B}), False),
+    ("checkpointing_kwargs", "activation_checkpointing_kwargs",
+     (["--activation_checkpointing", "true"], Launch({"ACCELERATE_USE_DEEPSPEED": "true",
+                                                      "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, 2), {"cuda": True}),
+     {"use_reentrant": True}, ([], None, {}), ABSENT),
+    ("lengths", "max_length (TRL)", ([], None, {}), None, (["--packing", "true"], None, {}), ABSENT),
+    ("placement", "device_map", (QLORA_ARGS, None, {"cuda": True}), {"": 0}, ([], None, {"cuda": True}), ABSENT),
+    ("mixture_of_experts", "experts",
+     ([], None, {"model_config": load_config("configs/models/Mixtral-8x7B-v0.1")}),
+     "one linear module per expert matrix", ([], None, {"model_config": LLAMA_7B}), ABSENT),
+    ("loading", "loading", ([], _fsdp("2", FSDP_CPU_RAM_EFFICIENT_LOADING="true"), {}),
+     "rank 0 reads, the other ranks receive", ([], _fsdp("2"), {}), ABSENT),
+    ("cpu_engine", "engine on CPU", ([], _fsdp("2"), {}), "fsdp", ([], _fsdp("2"), {"cuda": True}), ABSENT),
+    ("fsdp1_buffers", "fsdp1 buffer dtype", ([], _fsdp("1", ACCELERATE_MIXED_PRECISION="bf16"), {}), "float32",
+     ([], _fsdp("2", ACCELERATE_MIXED_PRECISION="bf16"), {}), ABSENT),
+    ("adapter_dtype", "LoRA weights", (QLORA_ARGS + ["--bnb_4bit_quant_storage_dtype", "float32"], None, {}),
+     "float32", (QLORA_ARGS, None, {}), ABSENT),
+    ("fused_layers", "fused layers", (["--use_liger_kernels", "true"], None, {}),
+     "Liger Kernel (RMSNorm, SwiGLU/GeGLU, RoPE)", ([], None, {}), ABSENT),
+    ("compile_layers", "torch_compile", (["--torch_compile", "true"], None, {}), "each decoder layer",
+     (["--torch_compile", "false"], None, {}), ABSENT),
+    ("data_processes", "tokenizing processes per rank", (["--dataset_num_proc", "3"], None, {"cores": 4}), 3,
+     ([], None, {"cores": 4}), 4),
+    ("publishing", "publish to", (["--push_to_hub", "true", "--hub_model_id", "me/dates"], None, {}), "me/dates",
+     ([], None, {}), ABSENT),
+]
+
+
+def decision_of(setting: str, setup) -> object:
+    argv, launch, facts = setup
+    config = settled(argv, launch=launch or Launch(), **facts)
+    values = [d.value for d in config.decisions if d.setting == setting]
+    return values[-1] if values else ABSENT
+
+
+@pytest.mark.parametrize("rule, setting, one, first, other, second", SETTLING_CASES,
+                         ids=[case[0] for case in SETTLING_CASES])
+def test_each_settling_rule_decides_where_it_applies_and_only_there(rule, setting, one, first, other, second):
+    assert decision_of(setting, one) == first
+    assert decision_of(setting, other) == second
+
+
+def test_every_settling_rule_has_its_cases():
+    from recipe.settings import configuration
+
+    assert [rule.__name__ for rule in configuration.SETTLING] == [case[0] for case in SETTLING_CASES]

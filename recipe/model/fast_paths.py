@@ -274,7 +274,7 @@ def kernel_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
                                    cu_seq_lens_q=cu_seq_lens_q, sliding_window=sliding_window, **kwargs)
     if dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError(f"{KERNEL_ATTENTION} computes no attention dropout, softcapping or sinks; "
-                         f"configuration.decide_attention picks {FLEX_ATTENTION} or the per-example loop for them")
+                         f"configuration.attention picks {FLEX_ATTENTION} or the per-example loop for them")
     kernel, why = varlen_kernel() if query.is_cuda else (None, "the FlashAttention kernels run on CUDA only")
     if kernel is None:
         raise RuntimeError(f"{KERNEL_ATTENTION}: {why}")
@@ -327,7 +327,7 @@ def flex_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
                                    cu_seq_lens_q=cu_seq_lens_q, sliding_window=sliding_window, softcap=softcap,
                                    s_aux=s_aux, **kwargs)
     if dropout:
-        raise ValueError(f"{FLEX_ATTENTION} computes no attention dropout; configuration.decide_attention keeps the "
+        raise ValueError(f"{FLEX_ATTENTION} computes no attention dropout; configuration.attention keeps the "
                          "per-example loop for it")
     from torch.nn.attention.flex_attention import AuxRequest
 

@@ -22,8 +22,12 @@ def describe() -> dict:
                     if line.startswith("model name")), cpu)
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return {"cpu": cpu, "cores": cores, "native_bf16": native_bf16_supported()}
+    return {"cpu": cpu, "cores": usable_cores(), "native_bf16": native_bf16_supported()}
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def native_bf16_supported() -> bool:

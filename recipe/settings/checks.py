@@ -477,8 +477,9 @@ def memory_fit(s: Configuration) -> Problem | None:
         return None
     return Problem("warning", f"the memory plan {'is tight' if verdict == 'tight' else verdict}: it needs about "
                    f"{needed_gib(plan, cuda=True):.1f} GiB per GPU with allocator headroom, the GPUs have "
-                   f"{gpu_gib:.0f} GiB", "the run would likely go out of memory", "lower --per_device_train_batch_size or --max_length, turn on "
-                   "--activation_checkpointing, add GPUs, or offload (see `python memory.py --help`)")
+                   f"{gpu_gib:.0f} GiB", "the run would likely go out of memory",
+                   "lower --per_device_train_batch_size or --max_length, turn on --activation_checkpointing, add GPUs, "
+                   "or offload (see `python memory.py --help`)")
 
 
 def host_ram_by_phase(s: Configuration) -> Problem | None:

@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -25,7 +25,8 @@ from recipe.settings.arguments import (RECIPE_DEFAULTS, RENAMED, ConfigError, Da
                                        Request, parse_arguments)
 from recipe.model.fast_paths import (ATTENTION, EAGER_ATTENTION, FLEX_ATTENTION, KERNEL_ATTENTION, attention_for,
                                      compile_settings, torch_varlen_attn, torch_varlen_windows)
-from recipe.platform.hardware import is_flash_attn_installed, is_liger_kernel_installed, native_bf16_supported
+from recipe.platform.hardware import (is_flash_attn_installed, is_liger_kernel_installed, native_bf16_supported,
+                                      usable_cores)
 from recipe.platform.launch import Launch, launch_environment
 from recipe.planning.memory import ASSUMED_LOAD_RATES, GIB, LoadRates, load_seconds
 from recipe.model.model_files import DEFAULT_MODEL_DIR, convert_default_model, gguf_source, hub_id_of
@@ -61,6 +62,7 @@ class Facts:
     gpu_gib: float | None = None  # memory of each GPU: this machine's, or --gpu_gib
     host_gib: float | None = None  # host RAM available when the run starts
     threads: int = 1  # torch's intra-op threads
+    cores: int = 1  # the CPU cores this process may use (hardware.usable_cores)
     hub_offline: bool = False  # HF_HUB_OFFLINE in this process: Hub ids must be in the local cache
     model_config: Any = None  # the model's transformers config, when it could be read without weights
     tokenizer: Any = None  # the tokenizer with the chosen chat template, when it could be loaded
@@ -135,6 +137,7 @@ def gather(request: Request, this_process: Launch | None = None) -> Facts:
                   torch_varlen=torch_varlen_attn()[0] is not None, torch_varlen_windows=torch_varlen_windows(),
                   liger=is_liger_kernel_installed(),
                   gpu_gib=gpu_gib, host_gib=psutil.virtual_memory().available / GIB, threads=torch.get_num_threads(),
+                  cores=usable_cores(),
                   hub_offline=this_process.hub_offline,
                   model_config=read_model_config(model.model_name_or_path, trust, token, this_process.hub_offline))
     if launch.num_processes > 1 and facts.model_config is not None:
@@ -191,12 +194,21 @@ def load_text(load: dict) -> str:
 
 @dataclass(frozen=True)
 class Decision:
+    """One setting settle decided, with its reason; `sets` the Configuration fields and `training` the SFTConfig
+    values that carry it out (settle applies them)."""
+
     setting: str
     value: Any
     why: str
+    sets: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    training: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.setting} = {self.value}: {self.why}"
+
+    def said(self) -> dict:
+        """The decision as the run reports it (run_summary.json)."""
+        return {"setting": self.setting, "value": self.value, "why": self.why}
 
 
 @dataclass
@@ -256,11 +268,16 @@ class Configuration:
     def optimizer(self) -> str:
         return str(getattr(self.training.optim, "value", self.training.optim))
 
+    def setting(self, key: str) -> Any:
+        """A training value as settled so far: decided, else asked (the user's or the default)."""
+        return self.decided.get(key, getattr(self.training, key))
+
 
 def settle(request: Request, facts: Facts) -> Configuration:
-    """The recipe's defaults where the user set nothing, and every setting derived from the facts, each recorded as
-    a Decision, in this order (some read what an earlier one decided). Raises ConfigError for training values TRL
-    refuses."""
+    """The recipe's defaults where the user set nothing, and every setting derived from the facts: each rule of
+    SETTLING, in order (some read what an earlier one decided), returns its Decision, which settle applies and records.
+    The SFTConfig the Trainer receives is built once, from the asked and the decided values. Raises ConfigError for
+    training values TRL refuses."""
     from trl import SFTConfig
 
     refuse_engine_flags(request.training)
@@ -273,8 +290,8 @@ def settle(request: Request, facts: Facts) -> Configuration:
         except (ValueError, TypeError) as err:
             raise ConfigError(f"invalid training arguments: {err}") from None
 
-    # The user's and the defaulted values, which the decisions below read; they write what they decide into
-    # config.decided, and the SFTConfig the Trainer receives is built from both at the end, never edited afterwards.
+    # The user's and the defaulted values, which the rules read; what they decide goes into config.decided, and the
+    # SFTConfig the Trainer receives is built from both at the end, never edited afterwards.
     asked = training_arguments(values)
     config = Configuration(request.model, request.data, asked, facts, decisions=decisions,
                            given=frozenset(request.training), token_on_command_line=request.token_on_command_line,
@@ -283,16 +300,13 @@ def settle(request: Request, facts: Facts) -> Configuration:
     config.load_plan = load
     if "ddp_timeout" not in request.training and values.get("ddp_timeout", 0) > COLLECTIVE_TIMEOUT_S:
         config.training_timeout = COLLECTIVE_TIMEOUT_S
-    checkpointing_given = checkpointing_asked(request.training)
-    for decide in (decide_base_model_id, decide_attention):  # attention before the plan: eager keeps its scores
-        decide(config)
-    if not checkpointing_given:
-        decide_micro_batch(config)
-        decide_activation_checkpointing(config)
-    for decide in (decide_checkpointing_kwargs, decide_lengths, decide_placement, decide_loading, decide_cpu_engine,
-                   decide_fsdp1_buffers, decide_adapter_dtype, decide_fused_layers, decide_compile,
-                   decide_data_processes, decide_publishing):
-        decide(config)
+    for rule in SETTLING:
+        decided = rule(config)
+        for decision in decided if isinstance(decided, list) else [decided] if decided else []:
+            for name, value in decision.sets.items():
+                setattr(config, name, value)
+            config.decided.update(decision.training)
+            config.decisions.append(decision)
     config.training = training_arguments({**values, **config.decided})
     return config
 
@@ -363,13 +377,14 @@ def training_values(request: Request, facts: Facts, load: dict | None = None) ->
     return values, decisions
 
 
-def decide_base_model_id(config: Configuration) -> None:
+def base_model_id(config: Configuration) -> Decision | None:
     if config.base_model_id and config.base_model_id != config.model.model_name_or_path:
-        config.decisions.append(Decision("base model recorded as", config.base_model_id, "the adapter's config and "
-                                         "card name the Hub model, not this disk's copy of it (--base_model_id)"))
+        return Decision("base model recorded as", config.base_model_id, "the adapter's config and card name the Hub "
+                        "model, not this disk's copy of it (--base_model_id)")
+    return None
 
 
-def decide_attention(config: Configuration) -> None:
+def attention(config: Configuration) -> Decision:
     """The per-example loop by default; with --use_flash_attn ("a flash kernel"), one kernel per packed row: the
     FlashAttention-2 varlen kernel (flash-attn's, else torch's), or FlexAttention where the family computes what that
     kernel cannot. The kernel becomes the CUDA default once the GPU check has shown it equal to the loop there."""
@@ -378,208 +393,206 @@ def decide_attention(config: Configuration) -> None:
     text = facts.model_config.get_text_config() if facts.model_config is not None else None
     dropout = getattr(text, "attention_dropout", 0.0) or 0.0
     if not config.model.use_flash_attn:
-        config.attention = per_example
+        chosen = per_example
         if facts.cuda:
             why += ("; one kernel per packed row is opt-in (--use_flash_attn true) until the GPU check has shown it "
                     "equal to this loop on a GPU")
     elif dropout > 0:
-        config.attention, why = per_example, (f"--use_flash_attn, but the model's attention dropout ({dropout}) is "
-                                              "computed by neither the varlen kernel nor FlexAttention: " + why)
+        chosen, why = per_example, (f"--use_flash_attn, but the model's attention dropout ({dropout}) is computed by "
+                                    "neither the varlen kernel nor FlexAttention: " + why)
     elif per_example == EAGER_ATTENTION:
-        config.attention, why = FLEX_ATTENTION, ("--use_flash_attn: the family computes logit softcapping or "
-                                                 "attention sinks, which the FlashAttention kernel cannot; one "
-                                                 "FlexAttention call per packed row computes them (fast_paths.py)")
+        chosen, why = FLEX_ATTENTION, ("--use_flash_attn: the family computes logit softcapping or attention sinks, "
+                                       "which the FlashAttention kernel cannot; one FlexAttention call per packed row "
+                                       "computes them (fast_paths.py)")
     else:
         kernel = ("flash-attn's" if facts.flash_attn else "torch's own varlen_attn (flash-attn is not installed)"
                   if facts.torch_varlen or not facts.here else "none available (see preflight)")
-        config.attention, why = KERNEL_ATTENTION, ("--use_flash_attn: one FlashAttention-2 varlen kernel per packed "
-                                                   f"row, {kernel}; no boundary read back from the GPU")
-    config.decisions.append(Decision("attention", config.attention, why))
+        chosen, why = KERNEL_ATTENTION, ("--use_flash_attn: one FlashAttention-2 varlen kernel per packed row, "
+                                         f"{kernel}; no boundary read back from the GPU")
+    return Decision("attention", chosen, why, sets={"attention": chosen})
 
 
-def decide_checkpointing_kwargs(config: Configuration) -> None:
+def checkpointing_kwargs(config: Configuration) -> Decision | None:
     """transformers 5 picks non-reentrant when no kwargs are given; ZeRO-3 + LoRA needs reentrant."""
-    if not config.decided.get("activation_checkpointing", config.training.activation_checkpointing):
-        return
+    if not config.setting("activation_checkpointing"):
+        return None
     reentrant, why = config.model.use_reentrant, "from --use_reentrant"
     if not reentrant and config.launch.zero_stage == 3 and config.uses_peft:  # what TRL does (it warns too)
         reentrant, why = True, ("--use_reentrant false overridden: ZeRO-3 + LoRA cannot recompute non-reentrant "
                                 "checkpoints ('Recomputed values ... shape [0]'); TRL overrides it the same way")
-    config.decided["activation_checkpointing_kwargs"] = {"use_reentrant": reentrant}
-    config.decisions.append(Decision("activation_checkpointing_kwargs", {"use_reentrant": reentrant}, why))
+    kwargs = {"use_reentrant": reentrant}
+    return Decision("activation_checkpointing_kwargs", kwargs, why,
+                    training={"activation_checkpointing_kwargs": kwargs})
 
 
-def decide_lengths(config: Configuration) -> None:
+def lengths(config: Configuration) -> Decision | None:
     """The recipe truncates each example itself; TRL's own max_length goes where it would not enforce it."""
-    training = config.training
-    if training.padding_free and not training.packing:
-        config.decided["max_length"] = None
-        config.decisions.append(Decision("max_length (TRL)", None, f"padding-free batches: the recipe truncates each "
-                                         f"example to {config.max_length} tokens itself; TRL refuses a length it "
-                                         "would not enforce"))
+    if config.training.padding_free and not config.training.packing:
+        return Decision("max_length (TRL)", None, f"padding-free batches: the recipe truncates each example to "
+                        f"{config.max_length} tokens itself; TRL refuses a length it would not enforce",
+                        training={"max_length": None})
+    return None
 
 
-def decide_placement(config: Configuration) -> None:
-    """Where a 4-bit model on one GPU is quantized; what a mixture of experts trains."""
+def placement(config: Configuration) -> Decision | None:
+    """Where a 4-bit model on one GPU is quantized."""
     facts = config.facts
-    mixture = facts.model_config is not None and is_moe(facts.model_config)
-    if config.quantized_4bit and facts.gpu_here and not facts.launch.sharded and mixture:
-        config.device_map, config.place_on = {"": "cpu"}, f"cuda:{facts.launch.local_rank}"
-        config.decisions.append(Decision("device_map", config.device_map, "a 4-bit mixture of experts is loaded on "
-                                         "the host, its experts quantized there one at a time (moe.py), then moved "
-                                         "to the GPU: bitsandbytes quantizes only linear layers while placing, and "
-                                         "the fused experts would reach the GPU in 16 bits"))
-    elif config.quantized_4bit and facts.gpu_here and not facts.launch.sharded:
-        config.device_map = {"": facts.launch.local_rank}
-        config.decisions.append(Decision("device_map", config.device_map, "bitsandbytes quantizes while placing on "
-                                         "the GPU"))
-    if mixture:
-        decide_mixture_of_experts(config)
+    if not (config.quantized_4bit and facts.gpu_here and not facts.launch.sharded):
+        return None
+    if facts.model_config is not None and is_moe(facts.model_config):
+        device_map = {"": "cpu"}
+        return Decision("device_map", device_map, "a 4-bit mixture of experts is loaded on the host, its experts "
+                        "quantized there one at a time (moe.py), then moved to the GPU: bitsandbytes quantizes only "
+                        "linear layers while placing, and the fused experts would reach the GPU in 16 bits",
+                        sets={"device_map": device_map, "place_on": f"cuda:{facts.launch.local_rank}"})
+    device_map = {"": facts.launch.local_rank}
+    return Decision("device_map", device_map, "bitsandbytes quantizes while placing on the GPU",
+                    sets={"device_map": device_map})
 
 
-def decide_loading(config: Configuration) -> None:
+def loading(config: Configuration) -> Decision | None:
     """Rank 0 reads, the others receive (sharding.py), where the launch asks for it or a 4-bit ZeRO-3 model needs it."""
     launch = config.launch
     zero3_4bit = launch.zero_stage == 3 and config.quantized_4bit  # transformers' zero.Init skips 4-bit models
-    config.weights_from_rank0 = launch.weights_from_rank0 or zero3_4bit
-    if not config.weights_from_rank0:
-        return
-    config.device_map = {"": "cpu"} if launch.rank == 0 else {"": "meta"}
+    if not (launch.weights_from_rank0 or zero3_4bit):
+        return None
     reason = ("fsdp_cpu_ram_efficient_loading" if launch.fsdp else "ZeRO-3 with a 4-bit model" if zero3_4bit
               else "ZeRO-3 with zero3_init_flag")
-    config.decisions.append(Decision("loading", "rank 0 reads, the other ranks receive", reason + ": rank 0 reads "
-        "the checkpoint into host RAM" + (" and quantizes it there (never the whole 4-bit model on one GPU)"
-                                          if config.quantized_4bit else "") + "; the other ranks build on the meta "
-        "device and receive their shards from it (sharding.py)"))
+    return Decision("loading", "rank 0 reads, the other ranks receive", reason + ": rank 0 reads the checkpoint into "
+                    "host RAM" + (" and quantizes it there (never the whole 4-bit model on one GPU)"
+                                  if config.quantized_4bit else "") + "; the other ranks build on the meta device "
+                    "and receive their shards from it (sharding.py)",
+                    sets={"weights_from_rank0": True, "device_map": {"": "cpu"} if launch.is_rank0 else {"": "meta"}})
 
 
-def decide_cpu_engine(config: Configuration) -> None:
+def cpu_engine(config: Configuration) -> list[Decision]:
     launch = config.launch
     if config.facts.cuda or not (launch.fsdp or launch.deepspeed):
-        return
-    config.cpu_engine = "fsdp" if launch.fsdp else "deepspeed"
-    config.decisions.append(Decision("engine on CPU", config.cpu_engine, "accelerate drops FSDP and DeepSpeed without "
-                                     "an accelerator; the recipe keeps them, over gloo (trainers.CpuEngineSFTTrainer)"))
+        return []
+    engine = "fsdp" if launch.fsdp else "deepspeed"
+    decisions = [Decision("engine on CPU", engine, "accelerate drops FSDP and DeepSpeed without an accelerator; the "
+                          "recipe keeps them, over gloo (trainers.CpuEngineSFTTrainer)", sets={"cpu_engine": engine})]
     if launch.fsdp:
-        for setting, (value, why) in cpu_fsdp_overrides(launch).items():
-            config.decisions.append(Decision(f"fsdp_{setting.lower()} on CPU", value, why))
+        decisions += [Decision(f"fsdp_{setting.lower()} on CPU", value, why)
+                      for setting, (value, why) in cpu_fsdp_overrides(launch).items()]
+    return decisions
 
 
-def decide_fsdp1_buffers(config: Configuration) -> None:
+def fsdp1_buffers(config: Configuration) -> Decision | None:
     """What the trainer does to FSDP1's mixed precision (trainers.keep_fsdp1_buffers_in_fp32), said."""
     launch = config.launch
     if not (launch.fsdp and launch.fsdp_version == 1):
-        return
+        return None
     # transformers gives a 4-bit model's FSDP policy its float storage dtype whatever the precision flags say
     storage = config.quantized_4bit and config.dtype in (torch.bfloat16, torch.float16)
-    if config.mixed_precision in ("bf16", "fp16") or storage:
-        policy = (f"transformers' {str(config.dtype).removeprefix('torch.')} policy for 4-bit storage" if storage
-                  else f"accelerate's {config.mixed_precision} policy")
-        config.decisions.append(Decision("fsdp1 buffer dtype", "float32", f"{policy} would have FSDP1 cast every "
-                                         "buffer, the rotary embedding's inverse frequencies too, shifting each "
-                                         "position's phase with its index"))
+    if not (config.mixed_precision in ("bf16", "fp16") or storage):
+        return None
+    policy = (f"transformers' {str(config.dtype).removeprefix('torch.')} policy for 4-bit storage" if storage
+              else f"accelerate's {config.mixed_precision} policy")
+    return Decision("fsdp1 buffer dtype", "float32", f"{policy} would have FSDP1 cast every buffer, the rotary "
+                    "embedding's inverse frequencies too, shifting each position's phase with its index")
 
 
-def decide_adapter_dtype(config: Configuration) -> None:
+def adapter_dtype(config: Configuration) -> Decision | None:
     """TRL casts a 4-bit model's LoRA weights to bf16 (SFTTrainer.__init__, after the QLoRA paper). Under float32
     storage that breaks FSDP1 without autocast: transformers sets FSDP1's policy to the storage dtype, FSDP computes
     each LoRA layer in float32, and PEFT casts the layer's input to the bf16 it sees outside FSDP's forward."""
     if config.quantized_4bit and config.uses_peft and config.dtype == torch.float32:
-        config.adapter_dtype = torch.float32
-        config.decisions.append(Decision("LoRA weights", "float32", "4-bit weights stored in float32 (the storage for "
-                                         "mixed precision, whose trained weights are fp32), where FSDP computes the "
-                                         "adapters in float32; TRL would cast them to bf16"))
+        return Decision("LoRA weights", "float32", "4-bit weights stored in float32 (the storage for mixed precision, "
+                        "whose trained weights are fp32), where FSDP computes the adapters in float32; TRL would cast "
+                        "them to bf16", sets={"adapter_dtype": torch.float32})
+    return None
 
 
-def decide_fused_layers(config: Configuration) -> None:
+def fused_layers(config: Configuration) -> Decision | None:
     if config.model.use_liger_kernels:
-        config.decisions.append(Decision("fused layers", "Liger Kernel (RMSNorm, SwiGLU/GeGLU, RoPE)",
-                                         "--use_liger_kernels; the loss stays TRL's and the recipe's"))
-    elif config.facts.cuda:
-        config.decisions.append(Decision("fused layers", "none", "Liger Kernel is opt-in (--use_liger_kernels true) "
-                                         "until the GPU check has measured it against the unfused layers"))
+        return Decision("fused layers", "Liger Kernel (RMSNorm, SwiGLU/GeGLU, RoPE)",
+                        "--use_liger_kernels; the loss stays TRL's and the recipe's")
+    if config.facts.cuda:
+        return Decision("fused layers", "none", "Liger Kernel is opt-in (--use_liger_kernels true) until the GPU "
+                        "check has measured it against the unfused layers")
+    return None
 
 
-def decide_compile(config: Configuration) -> None:
-    if "torch_compile" not in config.given and not config.training.torch_compile:
-        decide_compile_when_repaid(config)
+def compile_layers(config: Configuration) -> Decision:
+    """--torch_compile true: regional compilation from the start. Unset: on one CPU process, compiled mid-run once the
+    eager steps show the rest repay it."""
+    from recipe.model.fast_paths import COMPILE_SECONDS, COMPILED_STEP_RATIO, EAGER_STEPS_MEASURED, REPAY_MARGIN
+
     if config.training.torch_compile:
-        config.environment, compiled = compile_settings(config.launch.env)
-        config.compile_each_layer = compiled == "each decoder layer"
-        config.decisions.append(Decision("torch_compile", compiled, "regional compilation for any length, unless the "
-                                         "accelerate config or ACCELERATE_DYNAMO_* says otherwise"))
+        environment, compiled = compile_settings(config.launch.env)
+        return Decision("torch_compile", compiled, "regional compilation for any length, unless the accelerate config "
+                        "or ACCELERATE_DYNAMO_* says otherwise",
+                        sets={"environment": environment, "compile_each_layer": compiled == "each decoder layer"})
+    device = "cuda" if config.facts.cuda else "cpu"
+    if "torch_compile" in config.given:
+        return None
+    if device not in COMPILED_STEP_RATIO:
+        return Decision("torch_compile", False, "not measured on a GPU yet (the GPU check's recipe-compile run "
+                        "measures it); --torch_compile true compiles each decoder layer")
+    if config.launch.num_processes > 1:
+        return Decision("torch_compile", False, "compiling mid-run is for one process; --torch_compile true compiles "
+                        "each decoder layer from the start")
+    return Decision(
+        "torch_compile", f"after step {1 + EAGER_STEPS_MEASURED} if the steps left repay it",
+        f"each decoder layer is compiled once {EAGER_STEPS_MEASURED} eager steps after the first show that the steps "
+        f"left save more than compiling costs (a compiled step measured at {COMPILED_STEP_RATIO[device]} of an eager "
+        f"one, compiling {COMPILE_SECONDS[device]:.0f} s, counted {REPAY_MARGIN:.0f}x); --torch_compile true or false "
+        "decides instead", sets={"compile_when_repaid": True})
 
 
-def decide_data_processes(config: Configuration) -> None:
+def data_processes(config: Configuration) -> Decision:
     """Every rank tokenizes the whole dataset (no rank waits for another's cache) with the cores it has: this
     machine's over its ranks, or --dataset_num_proc."""
     if config.training.dataset_num_proc:
-        config.data_processes, why = config.training.dataset_num_proc, "--dataset_num_proc"
+        processes, why = config.training.dataset_num_proc, "--dataset_num_proc"
     else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         ranks = config.launch.local_processes
-        config.data_processes = max(1, cores // ranks)
-        why = f"{cores} cores" + (f" over {ranks} ranks on this machine" if ranks > 1 else "")
-    config.decisions.append(Decision("tokenizing processes per rank", config.data_processes, why + "; each takes a "
-                                     f"part of at least {EXAMPLES_PER_PROCESS} examples, in order"))
+        processes = max(1, config.facts.cores // ranks)
+        cores = config.facts.cores
+        why = f"{cores} core{'s' if cores != 1 else ''}" + (f" over {ranks} ranks on this machine" if ranks > 1 else "")
+    return Decision("tokenizing processes per rank", processes, why + f"; each takes a part of at least "
+                    f"{EXAMPLES_PER_PROCESS} examples, in order", sets={"data_processes": processes})
 
 
-def decide_compile_when_repaid(config: Configuration) -> None:
-    """--torch_compile unset: on one CPU process, compiled mid-run once the eager steps show the rest repay it."""
-    from recipe.model.fast_paths import COMPILE_SECONDS, COMPILED_STEP_RATIO, EAGER_STEPS_MEASURED, REPAY_MARGIN
-
-    device = "cuda" if config.facts.cuda else "cpu"
-    if device not in COMPILED_STEP_RATIO:
-        why = ("not measured on a GPU yet (the GPU check's recipe-compile run measures it); --torch_compile true "
-               "compiles each decoder layer")
-    elif config.launch.num_processes > 1:
-        why = "compiling mid-run is for one process; --torch_compile true compiles each decoder layer from the start"
-    else:
-        config.compile_when_repaid = True
-        config.decisions.append(Decision(
-            "torch_compile", f"after step {1 + EAGER_STEPS_MEASURED} if the steps left repay it",
-            f"each decoder layer is compiled once {EAGER_STEPS_MEASURED} eager steps after the first show that the "
-            f"steps left save more than compiling costs (a compiled step measured at {COMPILED_STEP_RATIO[device]} of "
-            f"an eager one, compiling {COMPILE_SECONDS[device]:.0f} s, counted {REPAY_MARGIN:.0f}x); "
-            "--torch_compile true or false decides instead"))
-        return
-    config.decisions.append(Decision("torch_compile", False, why))
-
-
-def decide_publishing(config: Configuration) -> None:
+def publishing(config: Configuration) -> list[Decision]:
     """The recipe publishes once, at the end, a folder it has built and checked; the token stays out of the pickled
     training arguments (every checkpoint's training_args.bin)."""
-    training = config.training
+    training, decisions = config.training, []
     if training.push_to_hub:
-        config.publish_to = training.hub_model_id or Path(training.output_dir).name
-        config.decided["push_to_hub"] = False
-        config.decisions.append(Decision("publish to", config.publish_to, "export.publish after the final save, "
-                                         "private unless --hub_private_repo false"))
+        repo = training.hub_model_id or Path(training.output_dir).name
+        decisions.append(Decision("publish to", repo, "export.publish after the final save, private unless "
+                                  "--hub_private_repo false", sets={"publish_to": repo},
+                                  training={"push_to_hub": False}))
     if training.hub_token:
-        config.hub_token, config.decided["hub_token"] = training.hub_token, None
-        config.decisions.append(Decision("hub_token", "kept out of the training arguments", "they are pickled into "
-                                         "every checkpoint; the token is passed to the loaders and the upload only"))
+        decisions.append(Decision("hub_token", "kept out of the training arguments", "they are pickled into every "
+                                  "checkpoint; the token is passed to the loaders and the upload only",
+                                  sets={"hub_token": training.hub_token}, training={"hub_token": None}))
+    return decisions
 
 
-def decide_mixture_of_experts(config: Configuration) -> None:
+def mixture_of_experts(config: Configuration) -> list[Decision]:
     """What a mixture of experts trains: its experts as linear layers, its router only when asked, and the
     load-balancing loss where the model's config weights it (TRL adds it and logs it as aux_loss)."""
+    if config.facts.model_config is None or not is_moe(config.facts.model_config):
+        return []
     text = config.facts.model_config.get_text_config()
-    config.decisions.append(Decision("experts", "one linear module per expert matrix" + (
-        ", 4-bit" if config.quantized_4bit else ""),
-        "transformers 5 fuses them into 3-D parameters, which bitsandbytes would leave in 16 bits and all-linear would "
-        "skip (moe.py)"))
+    decisions = [Decision("experts", "one linear module per expert matrix" + (", 4-bit" if config.quantized_4bit
+                                                                              else ""),
+                          "transformers 5 fuses them into 3-D parameters, which bitsandbytes would leave in 16 bits "
+                          "and all-linear would skip (moe.py)")]
     if config.uses_peft:
-        config.decisions.append(Decision("router", "adapted" if config.model.lora_router else "not adapted",
-            "--lora_router true" if config.model.lora_router else "a LoRA on the router changes which experts each "
-            "token reaches; --lora_router true adapts it"))
+        decisions.append(Decision("router", "adapted" if config.model.lora_router else "not adapted",
+                                  "--lora_router true" if config.model.lora_router else "a LoRA on the router "
+                                  "changes which experts each token reaches; --lora_router true adapts it"))
     coef = getattr(text, "router_aux_loss_coef", None)
     if config.training.router_aux_loss_coef is not None:
         coef, why = config.training.router_aux_loss_coef, "--router_aux_loss_coef"
     else:
         why = "the model's config" if coef else "the model's config declares none"
-    config.decisions.append(Decision("load-balancing loss", f"coefficient {coef or 0}", why + (
+    decisions.append(Decision("load-balancing loss", f"coefficient {coef or 0}", why + (
         "; TRL adds it to the loss and logs it as aux_loss" if coef else "")))
+    return decisions
 
 
 def planned_run(config: Configuration):
@@ -594,7 +607,7 @@ def planned_run(config: Configuration):
     offload = launch.fsdp_setting("OFFLOAD_PARAMS") or launch.deepspeed_offload
     return Run(method=method, engine=engine, sharding="grad_op" if launch.fsdp_shards_gradients_only else "full",
                zero_stage=launch.zero_stage or 3, offload=offload, gpus=launch.num_processes,
-               batch=config.decided.get("per_device_train_batch_size", training.per_device_train_batch_size),
+               batch=config.setting("per_device_train_batch_size"),
                seq=config.max_length or 1024,  # 1024: TRL's default
                checkpointing=bool(training.activation_checkpointing),
                optimizer="sgd" if optim == "sgd" else "adamw_8bit" if "8bit" in optim else "adamw",
@@ -639,14 +652,15 @@ def planned_need(config: Configuration, **changes) -> float:
     return needed_gib(memory_plan(config, **changes), config.facts.cuda)
 
 
-def decide_micro_batch(config: Configuration) -> None:
-    """On GPUs, when the user set no micro batch: the largest that the memory plan fits without activation
-    checkpointing, with the same examples per optimizer step (per-device batch x accumulation steps): fewer, larger
-    micro batches keep the GPU busier. Where none fits, the default stays and the plan turns checkpointing on."""
+def micro_batch(config: Configuration) -> Decision | None:
+    """On GPUs, when the user set neither the micro batch nor activation checkpointing: the largest micro batch that
+    the memory plan fits without checkpointing, with the same examples per optimizer step (per-device batch x
+    accumulation steps): fewer, larger micro batches keep the GPU busier. Where none fits, the default stays and the
+    plan turns checkpointing on."""
     facts, training = config.facts, config.training
-    if "per_device_train_batch_size" in config.given or not facts.cuda or not facts.gpu_gib or \
-            facts.model_config is None:
-        return
+    if "per_device_train_batch_size" in config.given or checkpointing_asked(config.given) or not facts.cuda or \
+            not facts.gpu_gib or facts.model_config is None:
+        return None
     batch, steps = training.per_device_train_batch_size, training.gradient_accumulation_steps
     examples = batch * steps
     for candidate in sorted((b for b in range(1, examples + 1) if examples % b == 0), reverse=True):
@@ -654,40 +668,45 @@ def decide_micro_batch(config: Configuration) -> None:
         if need <= facts.gpu_gib:
             break
     else:
-        return
+        return None
     if candidate == batch:
-        return
-    config.decided.update(per_device_train_batch_size=candidate, gradient_accumulation_steps=examples // candidate)
-    config.decisions.append(Decision("per_device_train_batch_size", candidate, f"the largest micro batch of the "
-                                     f"{examples} examples per step that the memory plan fits without activation "
-                                     f"checkpointing: {need:.1f} GiB per GPU with allocator headroom of "
-                                     f"{facts.gpu_gib:.0f} GiB; gradient_accumulation_steps {examples // candidate} "
-                                     f"(was {batch} x {steps}); --per_device_train_batch_size sets it"))
+        return None
+    return Decision("per_device_train_batch_size", candidate, f"the largest micro batch of the {examples} examples per "
+                    "step that the memory plan fits without activation checkpointing: "
+                    f"{need:.1f} GiB per GPU with allocator headroom of {facts.gpu_gib:.0f} GiB; "
+                    f"gradient_accumulation_steps {examples // candidate} (was {batch} x {steps}); "
+                    "--per_device_train_batch_size sets it",
+                    training={"per_device_train_batch_size": candidate,
+                              "gradient_accumulation_steps": examples // candidate})
 
 
-def decide_activation_checkpointing(config: Configuration) -> None:
-    """On only if the memory plan without it does not fit the memory the run has (each GPU with the allocator's
-    headroom, or this host's available RAM on CPU): it costs about a third more compute."""
+def activation_checkpointing(config: Configuration) -> Decision | None:
+    """Where the user did not decide: on only if the memory plan without it does not fit the memory the run has (each
+    GPU with the allocator's headroom, or this host's available RAM on CPU): it costs about a third more compute."""
+    if checkpointing_asked(config.given):
+        return None
     facts = config.facts
     capacity, where = (facts.gpu_gib, "per GPU (with allocator headroom)") if facts.cuda else (
         facts.host_gib, "of host RAM")
     if facts.model_config is None or not capacity:
-        decision = Decision("activation_checkpointing", False, "the recipe's default; the memory the run needs or "
-                            "has is unknown here, so the plan could not decide")
-    else:
-        def needed(checkpointing: bool) -> float:
-            return planned_need(config, checkpointing=checkpointing)
+        return Decision("activation_checkpointing", False, "the recipe's default; the memory the run needs or has is "
+                        "unknown here, so the plan could not decide")
+    without = planned_need(config, checkpointing=False)
+    if without <= capacity:
+        return Decision("activation_checkpointing", False, f"the memory plan needs {without:.1f} GiB {where} without "
+                        f"it and there are {capacity:.0f} GiB (it costs about a third more compute)")
+    return Decision("activation_checkpointing", True, f"the memory plan needs {without:.1f} GiB {where} without it, "
+                    f"{planned_need(config, checkpointing=True):.1f} GiB with it, and there are {capacity:.0f} GiB "
+                    "(--activation_checkpointing false keeps it off)", training={"activation_checkpointing": True})
 
-        without = needed(False)
-        if without <= capacity:
-            decision = Decision("activation_checkpointing", False, f"the memory plan needs {without:.1f} GiB {where} "
-                                f"without it and there are {capacity:.0f} GiB (it costs about a third more compute)")
-        else:
-            config.decided["activation_checkpointing"] = True
-            decision = Decision("activation_checkpointing", True, f"the memory plan needs {without:.1f} GiB {where} "
-                                f"without it, {needed(True):.1f} GiB with it, and there are {capacity:.0f} GiB "
-                                "(--activation_checkpointing false keeps it off)")
-    config.decisions.append(decision)
+
+# settle's rules, in order: each reads the request, the facts and what the rules before it decided. Attention comes
+# before the memory plan (eager attention keeps its scores); the micro batch before activation checkpointing.
+SETTLING: list[Callable[[Configuration], Decision | list[Decision] | None]] = [
+    base_model_id, attention, micro_batch, activation_checkpointing, checkpointing_kwargs, lengths, placement,
+    mixture_of_experts, loading, cpu_engine, fsdp1_buffers, adapter_dtype, fused_layers, compile_layers,
+    data_processes, publishing,
+]
 
 
 def configure(argv: list[str]) -> Configuration:
