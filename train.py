@@ -12,17 +12,11 @@ with a message that names the fix.
 
 from __future__ import annotations
 
-import atexit
-import gc
+from recipe.platform import process
 
-# The libraries below create millions of objects, all kept for the life of the process: no collection while they
-# import, then out of every later one and of the one at exit (gc.freeze). 1.2-1.8 s less per start on a 2 GHz CPU.
-gc.disable()
-# Exit handlers run last-registered first: registered before any library's, this one runs after all of them.
-atexit.register(lambda: leave_if_finished())
+process.before_imports()  # no collection while the libraries import; the exit handler that runs after theirs
 from recipe import compat  # first: it imports bitsandbytes before transformers and peft do (compat.py says why)
 import math
-import os
 import statistics
 import sys
 import time
@@ -36,12 +30,13 @@ from transformers import TrainerCallback, set_seed
 from recipe.settings.arguments import ConfigError, parse_arguments
 from recipe.engines.checkpoints import StopOnSignal, latest_complete
 from recipe.settings.checks import Problem, preflight
-from recipe.settings.configuration import Configuration, gather, load_text, memory_plan, planned_run, settle
+from recipe.settings.configuration import Configuration, load_text, memory_plan, planned_run, settle
+from recipe.settings.facts import gather
 from recipe.engines import failures
 from evaluate import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
 from recipe.model.fast_paths import EAGER_STEPS_MEASURED, compile_each_layer, compile_repays
-from recipe.platform.launch import Launch, export_environment
+from recipe.platform.launch import Launch
 from recipe.model.moe import mark_zero3_leaves
 from recipe.reporting.report import TRAINING_KEYS, write_run_report
 from recipe.planning.run_memory import PhasePeaks, return_freed_memory
@@ -50,8 +45,7 @@ from recipe.engines.trainers import trainer_class
 from recipe.data.training_data import DataError, TrainingData, prepare, summarize
 from utils import build_model, build_peft_config
 
-gc.freeze()
-gc.enable()
+process.after_imports()
 
 
 def run(argv: list[str]):
@@ -322,7 +316,7 @@ def every_rank(value):
 
 
 def build_trainer(config: Configuration, model, data: TrainingData):
-    export_environment(config.environment)  # read by the Accelerator the Trainer builds (torch.compile's settings)
+    compat.dynamo_settings_for_accelerate(config.environment)  # read as the Trainer builds its Accelerator
     compat.TRL_SCORES_LABELLED_POSITIONS_ON_CPU.apply()  # the LM head at labelled positions only, on CPU too
     compat.ACCELERATE_ASKS_DEEPSPEED_ONLY_ONCE_IMPORTED.apply()  # no deepspeed import outside ZeRO-3 runs
     if config.launch.deepspeed:  # without torch's inductor, which the engine's optimizer check imports
@@ -455,32 +449,6 @@ def log_done(config: Configuration, summary: dict, step_times: StepTimes) -> Non
         + f"; adapter and tokenizer in {config.training.output_dir}")
 
 
-AT_EXIT = {"skip_teardown": False}
-
-
-def finish() -> None:
-    """End a run that ended well: destroy its process group and, if it had one, leave out the interpreter's teardown at
-    exit (leave_if_finished). Left to that teardown, gloo's threads can abort a rank that trained and saved (SIGABRT,
-    "terminate called without an active exception"; torch 2.13, pytorch issue 190489), and its launch reports a
-    failure. Destroying the group does not end them while anything holds it: the trainer's reference cycles until a
-    collection, and under FSDP2 and ZeRO-3 DTensor's sharding caches and DeepSpeed's lists of groups, to the exit
-    (gloo threads left after the destroy and a collection: none under FSDP1, 3 under FSDP2, 6 under ZeRO-3). Never
-    after a failure: another rank may still be inside a collective, and destroying the group under it can hang."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        AT_EXIT["skip_teardown"] = True
-
-
-def leave_if_finished() -> None:
-    """The last exit handler: by now Python has joined the process's threads and run every other handler."""
-    if AT_EXIT["skip_teardown"]:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
 def main(argv: list[str]) -> None:
     """`python train.py ARGS`."""
     try:
@@ -493,10 +461,8 @@ def main(argv: list[str]) -> None:
         watch.announce(failures.WATCH["error"] or f"{type(err).__name__}: {str(err)[:300]}")
         if not isinstance(err, SystemExit):
             traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # without the interpreter's teardown: destroying the process group after a failure can hang
-    finish()
+        process.exit_now(code)
+    process.finish()
 
 
 if __name__ == "__main__":

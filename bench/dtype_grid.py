@@ -105,7 +105,7 @@ def preflight_errors(cell: Cell, model_dir: Path, data_dir: Path, out: Path) -> 
 def machine_facts(model_dir: str):
     """This machine's facts about the model (the same in every cell: read once)."""
     from recipe.settings.arguments import parse_arguments
-    from recipe.settings.configuration import gather
+    from recipe.settings.facts import gather
 
     return gather(parse_arguments(["--model_name_or_path", model_dir]))
 

@@ -523,7 +523,8 @@ def replanned_row(name: str, argv: list[str], accelerate_config: str | None, mea
 
     import train
     from recipe.settings.arguments import parse_arguments
-    from recipe.settings.configuration import gather, settle
+    from recipe.settings.configuration import settle
+    from recipe.settings.facts import gather
     from recipe.platform.launch import Launch, launch_environment
     from recipe.planning.memory import CUDA_CONTEXT_GIB
 

@@ -286,7 +286,8 @@ def planned(case: Case, model_dir: Path, data_dir: Path, out: Path) -> dict[str,
     from dataclasses import replace
 
     from recipe.settings.arguments import parse_arguments
-    from recipe.settings.configuration import gather, memory_plan, settle
+    from recipe.settings.configuration import memory_plan, settle
+    from recipe.settings.facts import gather
     from recipe.platform.launch import Launch, launch_environment
 
     request = parse_arguments(case.flags(model_dir, data_dir, out))

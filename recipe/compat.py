@@ -478,6 +478,15 @@ def fsdp1_plugin_without_an_accelerator(applies: bool = True):
         yield
 
 
+def dynamo_settings_for_accelerate(values: dict[str, str]) -> None:
+    """`values` (ACCELERATE_DYNAMO_* variables) put in this process's environment for the rest of the run: transformers
+    5.23 builds accelerate's `TorchDynamoPlugin` with the backend and mode only, and accelerate 1.15's plugin reads
+    regional compilation and dynamic shapes from the environment when the Trainer builds its Accelerator."""
+    for name, value in values.items():
+        Patch("os.environ", name, lambda _, value=value: value, "torch.compile's settings for accelerate's plugin",
+              f"accelerate {ACCELERATE_VERSION}", item=True).apply()
+
+
 def record_engine(state, distributed_type, fsdp_plugin=None, deepspeed_plugin=None, device=None) -> None:
     """The engine recorded in accelerate's state as accelerate 1.15 records it on an accelerator: on the Accelerator's
     `AcceleratorState` and in `PartialState._shared_state`, which every later AcceleratorState() re-reads. On a host

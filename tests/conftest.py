@@ -136,7 +136,8 @@ def settled(argv=(), **facts):
     """The configuration settle() makes of `argv` with the given facts (default: one CPU process, no native bf16,
     nothing read from disk), so a unit test's verdict never depends on the machine it runs on."""
     from recipe.settings.arguments import parse_arguments
-    from recipe.settings.configuration import Facts, settle
+    from recipe.settings.configuration import settle
+    from recipe.settings.facts import Facts
 
     return settle(parse_arguments(list(argv)), Facts(**facts))
 
@@ -184,12 +185,9 @@ def losses_by_step(out_dir) -> dict[int, float]:
 
 def pytest_collection_modifyitems(items):
     """The tests that mostly wait first, then those that train or launch, the unit tier last (a stable sort: file order
-    otherwise). The Makefile's workers take one test at a time, in this order. In file order the last tests were long
-    single-process runs (the default run, torch.compile), each alone on one core at the end while the other worker had
-    finished; short tests at the end fill both cores until the last moment. A waiting test (marker waits) left one core
-    idle for its 35 s asleep when the other worker ran one-process tests beside it (35-44% idle); first, 15-45% in
-    two runs. The 2-process launches stay in file order among the one-process runs: all of them first, two at a time
-    on the two cores, took 6-44% more CPU each than the one-process tests' slowdown that hour (15%), 15:22 in all."""
+    otherwise). The Makefile's workers take one test at a time, in this order: a waiting test beside the other worker's
+    launches keeps both cores busy, and short tests at the end fill both cores until the last moment. The 2-process
+    launches stay in file order among the one-process runs: two launches at a time on two cores cost more CPU each."""
     def order(item):
         if item.get_closest_marker("waits"):
             return 0

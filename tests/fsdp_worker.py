@@ -1,7 +1,7 @@
 """Runs train.py's recipe in each process of a launch, then records what the tests (and bench/gpu_check.py, one process
 per shipped config on a GPU) check: how the model was sharded, the loss history, the logits of the trained sharded model
 and the dtypes its buffers computed in, how far its final save is from the weights it holds, and its 4-bit layers. Not a
-copy of the recipe: `train.run`, then `train.finish`, as `python train.py` does. Works under every engine
+copy of the recipe: `train.run`, then `process.finish`, as `python train.py` does. Works under every engine
 the launchers use: FSDP1, FSDP2, DeepSpeed ZeRO-3."""
 
 import json
@@ -12,7 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import train  # noqa: E402  (before any library, as `python train.py` starts: train.leave_if_finished runs last at exit)
+import train  # noqa: E402  (before any library, as `python train.py` starts: its exit handler runs last)
+from recipe.platform import process  # noqa: E402
 
 import torch  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
@@ -24,7 +25,7 @@ from conftest import PROBE  # noqa: E402
 
 def main() -> None:
     report_file, report = record()  # the trained model is left behind with record's frame, as with train.run's
-    train.finish()  # as `python train.py` ends
+    process.finish()  # as `python train.py` ends
     report["gloo_threads_after_finish"] = gloo_threads()
     report_file.write_text(json.dumps(report))
 

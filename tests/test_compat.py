@@ -352,3 +352,21 @@ def test_bitsandbytes_repacks_4bit_weights_only_where_its_cpu_switch_says():
     model = torch.nn.Sequential(Linear4bit(64, 64))
     compat.keep_4bit_layers_trainable(model)
     assert model[0].support_avx512bf16_for_cpu is False
+
+
+def test_accelerates_dynamo_plugin_reads_the_settings_the_recipe_exports(monkeypatch):
+    """compat.dynamo_settings_for_accelerate: TorchDynamoPlugin takes regional compilation and dynamic shapes from the
+    environment (transformers passes it neither)."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    for name in ("USE_REGIONAL_COMPILATION", "USE_DYNAMIC"):
+        monkeypatch.delenv(f"ACCELERATE_DYNAMO_{name}", raising=False)
+    assert not TorchDynamoPlugin(backend="inductor").use_regional_compilation
+    compat.dynamo_settings_for_accelerate({"ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true",
+                                           "ACCELERATE_DYNAMO_USE_DYNAMIC": "true"})
+    try:
+        plugin = TorchDynamoPlugin(backend="inductor")
+        assert plugin.use_regional_compilation and plugin.dynamic
+    finally:
+        for name in ("USE_REGIONAL_COMPILATION", "USE_DYNAMIC"):
+            os.environ.pop(f"ACCELERATE_DYNAMO_{name}", None)

@@ -7,7 +7,7 @@ from conftest import settled
 
 from recipe.settings.arguments import RECIPE_DEFAULTS, ConfigError
 from recipe.settings.checks import preflight
-from recipe.settings.configuration import gather
+from recipe.settings.facts import gather
 from recipe.platform.launch import Launch
 from recipe.planning.memory import load_config
 

@@ -83,7 +83,7 @@ def test_two_processes_match_one_process_and_load_and_save_as_planned(wide_model
         # nothing imported torch's inductor on the way: not DeepSpeed's optimizer check (compat.import_compiling_later)
         assert not report["inductor_imported"]
         if engine == "deepspeed" or fsdp_version == 2:  # why a finished rank leaves without the interpreter's
-            # teardown (train.finish): gloo's threads outlive the destroyed group, kept by DTensor's caches and
+            # teardown (process.finish): gloo's threads outlive the destroyed group, kept by DTensor's caches and
             # DeepSpeed's lists of groups (under FSDP1 by the trainer's reference cycles, until a collection)
             assert report["gloo_threads_after_finish"] > 0
         for trainable in (True, False):  # each rank holds half of the adapter and half of the base (4-bit included)

@@ -85,8 +85,8 @@ def test_no_line_of_code_or_config_passes_120_columns():
 
 
 def test_only_the_launch_module_and_the_hardware_probe_touch_the_environment():
-    """Everyone else is handed the settled launch (recipe/platform/launch.py); the environment a library reads is
-    written through launch.export_environment or a compat patch."""
+    """Everyone else is handed the settled launch (recipe/platform/launch.py); what the recipe writes into the
+    environment for a library to read is a patch in recipe/compat.py."""
     allowed = {REPO_DIR / "recipe" / "platform" / "launch.py", REPO_DIR / "recipe" / "platform" / "hardware.py"}
     touching = []
     for path in [*REPO_DIR.glob("*.py"), *(REPO_DIR / "recipe").rglob("*.py")]:

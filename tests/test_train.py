@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from recipe.settings import checks
 import train
+from recipe.platform import process
 from recipe.settings.configuration import configure
 from recipe.model.model_files import REPO_DIR
 
@@ -300,17 +301,17 @@ def test_remote_code_runs_only_when_asked(tiny_model_dir, monkeypatch):
 
 
 def test_the_command_closes_its_process_group_before_python_exits(tmp_path, monkeypatch):
-    """`python train.py` destroys the process group after a run that ended well (train.finish), never after a failure.
+    """`python train.py` destroys the process group after a run that ended well (process.finish), never after a failure.
     A one-process gloo group stands in for a launch's; the run itself is replaced, as only the order matters here."""
     import torch.distributed as dist
 
     ran = []
     monkeypatch.setattr(train, "run", lambda argv: ran.append(dist.is_initialized()))
-    monkeypatch.setattr(train, "AT_EXIT", {"skip_teardown": False})  # this test process keeps its teardown
+    monkeypatch.setattr(process, "AT_EXIT", {"skip_teardown": False})  # this test process keeps its teardown
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         train.main([])
-        assert ran == [True] and not dist.is_initialized() and train.AT_EXIT["skip_teardown"]
+        assert ran == [True] and not dist.is_initialized() and process.AT_EXIT["skip_teardown"]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -339,7 +340,7 @@ train.main([])
 @pytest.mark.e2e
 @pytest.mark.parametrize("group", [True, False], ids=["process-group", "one-process"])
 def test_a_finished_rank_leaves_without_the_interpreters_teardown_and_loses_nothing(tmp_path, group):
-    """Left to the interpreter's teardown, gloo's threads can abort a rank that trained and saved (train.finish): a
+    """Left to the interpreter's teardown, gloo's threads can abort a rank that trained and saved (process.finish): a
     process that had a group leaves once Python has joined its threads and run every exit handler, with its output;
     a one-process run, which has no group, keeps the teardown."""
     script = ENDING.format(repo=str(REPO_DIR), group=group, store=tmp_path / "store")

@@ -1,7 +1,8 @@
 """The launch in effect: what `accelerate launch` gives each process (or would give it, for `train.py --check
 --accelerate_config`), and the rest of the environment the recipe reads (the Hub's offline switch, the benchmarks'
-phase marks). `Launch` is the one reader of the environment, `export_environment` its one writer; everyone
-else is handed the settled launch. (platform/hardware.py reads the one switch that settles a hardware fact.)
+phase marks). `Launch` is the one reader of the environment (what the recipe writes there for a library to read is
+a patch in compat.py); everyone else is handed the settled launch. (platform/hardware.py reads the one switch that
+settles a hardware fact.)
 """
 
 from __future__ import annotations
@@ -182,12 +183,6 @@ class Launch:
         if self.fsdp:
             return self.fsdp_setting("CPU_RAM_EFFICIENT_LOADING")
         return self.zero_stage == 3 and _flag(self.env, "ACCELERATE_DEEPSPEED_ZERO3_INIT")
-
-
-def export_environment(values: Mapping[str, str]) -> None:
-    """Variables a library reads from this process's environment when it builds its objects (the Accelerator's
-    torch.compile settings): the recipe's one write to the environment."""
-    os.environ.update(values)
 
 
 def launch_environment(launch_args: list[str]) -> dict[str, str]:
