@@ -1,6 +1,6 @@
 """How long the test suite takes on this machine, as CI runs it: `make test` and `make test-fast` on a fresh clone.
 
-    python3 bench/test_suite.py            # clones HEAD into a temporary folder, runs both, writes test_suite.json
+    .venv/bin/python bench/test_suite.py   # clones HEAD into a temporary folder, runs both, writes test_suite.json
 
 Records the date, the CPU, and for each command the tests passed and failed, pytest's own seconds and the seconds in
 all (the first command includes `make setup`). docs/tests.md's timing is made from the file (bench/figures.py).
