@@ -33,7 +33,7 @@ from recipe.settings.checks import Problem, preflight
 from recipe.settings.configuration import Configuration, load_text, memory_plan, planned_run, settle
 from recipe.settings.facts import gather
 from recipe.engines import failures
-from evaluate import HeldOut, evaluate_exact_match, heldout_examples
+from recipe.reporting.heldout import HeldOut, evaluate_exact_match, heldout_examples
 from export import publish
 from recipe.model.fast_paths import EAGER_STEPS_MEASURED, compile_each_layer, compile_repays
 from recipe.platform.launch import Launch

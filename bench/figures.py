@@ -142,7 +142,8 @@ def machine(r: dict) -> str:
 
 
 def minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{round(seconds % 60):02d}"
+    whole = round(seconds)
+    return f"{whole // 60}:{whole % 60:02d}"
 
 
 def demo_line(r: dict) -> str:

@@ -156,14 +156,19 @@ def test_publish_refuses_an_unfinished_folder(tmp_path):
 
 
 @pytest.mark.parametrize("trained", [False], ids=["lora"], indirect=True)  # the command does not depend on the method
-def test_evaluate_command_reports_loss_and_exact_match_with_and_without_adapter(trained, tiny_model_dir, chat_dir):
+def test_evaluate_command_reports_the_runs_own_held_out_loss_and_exact_match(trained, tiny_model_dir, chat_dir):
+    """evaluate.py on the run's adapter, with the run's flags, reports the run's eval_loss (one held-out loss: TRL's
+    evaluation through the recipe's trainer) beside the base model's."""
     out, _ = trained
+    results = json.loads((out / "run_summary.json").read_text())["results"]
     result = subprocess.run([sys.executable, "evaluate.py", "--model_name_or_path", str(tiny_model_dir), "--adapter",
-                             str(out),
-                             "--dataset_name", str(chat_dir), "--num_prompts", "4", "--max_new_tokens", "4",
-                             "--show", "1"], cwd=REPO_DIR, capture_output=True, text=True, timeout=300)
+                             str(out), "--dataset_name", str(chat_dir), "--num_prompts", "8", "--max_new_tokens", "4",
+                             "--show", "1", "--bf16", "false"], cwd=REPO_DIR, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    assert any(line.startswith("base ") and "loss" in line and "exact match" in line for line in lines)
-    assert any(line.startswith("adapter ") and "loss" in line for line in lines)
+    base = next(line for line in lines if line.startswith("base "))
+    adapter = next(line for line in lines if line.startswith("adapter "))
+    assert f"loss {results['eval_loss']:.4f}" in adapter and "exact match" in base
+    assert base.split()[2] != adapter.split()[2]  # the adapter moved the loss
     assert "reference:" in result.stdout

@@ -118,7 +118,7 @@ def test_generation_runs_compiled_decoder_layers_eagerly(tiny_model_dir, smol_to
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
-    from evaluate import generate_answers
+    from recipe.reporting.heldout import generate_answers
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     want = generate_answers(model, smol_tokenizer, ["Convert May 1, 2000"], max_new_tokens=4)

@@ -219,7 +219,7 @@ def test_shipped_demo_data_is_what_the_generator_makes():
 
 
 def test_exact_match_normalises_whitespace_case_and_a_final_period():
-    from evaluate import exact_match
+    from recipe.reporting.heldout import exact_match
 
     assert exact_match(["2021-03-05.", " 2021-03-05 ", "March 5, 2021"], ["2021-03-05"] * 3) == pytest.approx(2 / 3)
 
