@@ -102,7 +102,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--examples_per_process", type=int, help="the fewest examples a tokenizing process takes "
                         "(default: training_data.EXAMPLES_PER_PROCESS)")
     args = parser.parse_args(argv)
-    cpus = len(os.sched_getaffinity(0))
+    from recipe.platform.hardware import usable_cores
+
+    cpus = usable_cores()
     with tempfile.TemporaryDirectory() as folder:
         write_conversations(Path(folder) / "train.jsonl", args.examples)
         one = in_process(prepare_once, folder, 1, True, args.examples_per_process)

@@ -26,10 +26,10 @@ class CpuEngineSFTTrainer(SFTTrainer):
     (`cpu_fsdp_plugin`), or the DeepSpeed plugin the training arguments built from it; then the same
     `accelerator.prepare` path runs as on GPUs. Set `engine` ("fsdp" or "deepspeed") in a subclass."""
 
-    def __init__(self, *args, engine: str = "fsdp", launch: Launch | None = None, **kwargs):
+    launch: Launch  # the settled launch, set by CompleteCheckpointsMixin before the Trainer builds its Accelerator
+
+    def __init__(self, *args, engine: str = "fsdp", **kwargs):
         self.engine = engine
-        if launch is not None:  # else set before, by CompleteCheckpointsMixin; read while the Accelerator is built
-            self.launch = launch
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
